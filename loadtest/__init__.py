@@ -1,0 +1,1 @@
+"""kvrouter-loadtest: workloads, an emulated DP-attention engine, a simulator and reports."""

@@ -1,0 +1,26 @@
+"""The ``kvrouter-loadtest`` command line."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="kvrouter-loadtest",
+    help="Load generation, an emulated SGLang/vLLM DP-attention engine, and a placement simulator.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Subcommands: emulate, run, sim, compare."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
