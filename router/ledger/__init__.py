@@ -1,0 +1,1 @@
+"""Ledger stores: in-process (default) and Redis (shared across replicas)."""

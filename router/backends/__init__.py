@@ -1,0 +1,1 @@
+"""Engine adapters: SGLang, vLLM internal-LB, vLLM external-LB."""
