@@ -31,6 +31,8 @@ class RankView:
     now (prompt + generated so far of running requests): it drives the per-step KV read. ``prefill_tokens``
     are prompt tokens admitted but not yet prefilled: under DP-attention lockstep they slow every rank.
     ``engine_used_tokens`` is the engine's own (lagging) report, or None when unknown.
+    ``prefill_requests`` counts the requests behind ``prefill_tokens`` (placed, no first token yet): the
+    engine's waiting queue as the router sees it.
     """
 
     key: RankKey
@@ -43,6 +45,7 @@ class RankView:
     engine_used_tokens: int | None = None
     healthy: bool = True
     draining: bool = False
+    prefill_requests: int = 0
 
     @property
     def used_tokens(self) -> int:
