@@ -111,7 +111,13 @@ class Plan:
 
 
 def _layout(
-    name: str, model: ModelArch, inp: PlanInputs, *, ranks: int, attention_tp: int, weights_per_gpu: float,
+    name: str,
+    model: ModelArch,
+    inp: PlanInputs,
+    *,
+    ranks: int,
+    attention_tp: int,
+    weights_per_gpu: float,
     ref_batch: int,
 ) -> LayoutPlan:
     usable = inp.gpu.memory_bytes * inp.mem_fraction
@@ -119,8 +125,9 @@ def _layout(
     if kv_bytes_gpu <= 0:
         short_gb = -kv_bytes_gpu / GB
         raise CapacityError(
-            f"layout {name}: weights need {weights_per_gpu / GB:.1f} GB per GPU but only {usable / GB:.1f} GB "
-            f"is usable ({inp.gpu.name} x {inp.mem_fraction:.2f}); short by {short_gb:.1f} GB"
+            f"layout {name}: weights need {weights_per_gpu / GB:.1f} GB per GPU but only "
+            f"{usable / GB:.1f} GB is usable ({inp.gpu.name} x {inp.mem_fraction:.2f}); "
+            f"short by {short_gb:.1f} GB"
         )
     per_token = model.kv_bytes_per_token_per_rank(attention_tp, inp.kv_dtype)
     per_rank = round_down(int(kv_bytes_gpu // per_token), inp.page_size)
@@ -155,9 +162,13 @@ def plan(model: ModelArch, inp: PlanInputs) -> Plan:
     tp_weights = params * wbytes / inp.gpus
     dp_weights = (params - attn_total) * wbytes / inp.gpus + attn_total * wbytes
     # The reference batch is what the TP layout can hold at this context; both layouts are read at it.
-    tp_tokens = _layout("tp", model, inp, ranks=1, attention_tp=inp.gpus, weights_per_gpu=tp_weights, ref_batch=1)
+    tp_tokens = _layout(
+        "tp", model, inp, ranks=1, attention_tp=inp.gpus, weights_per_gpu=tp_weights, ref_batch=1
+    )
     ref_batch = max(1, tp_tokens.kv_tokens_total // inp.context_tokens)
-    tp = _layout("tp", model, inp, ranks=1, attention_tp=inp.gpus, weights_per_gpu=tp_weights, ref_batch=ref_batch)
+    tp = _layout(
+        "tp", model, inp, ranks=1, attention_tp=inp.gpus, weights_per_gpu=tp_weights, ref_batch=ref_batch
+    )
     dp = _layout(
         "dp_ep", model, inp, ranks=inp.gpus, attention_tp=1, weights_per_gpu=dp_weights, ref_batch=ref_batch
     )

@@ -37,16 +37,28 @@ def plan_command(
     model: Annotated[
         str, typer.Option(help="Preset (deepseek-v3, llama-3.3-70b) or path to an HF config.json.")
     ] = "deepseek-v3",
-    gpu: Annotated[str, typer.Option(help="GPU type: h200 (141 GB, 4.8 TB/s), h100, h800, a100, b200.")] = "h200",
+    gpu: Annotated[
+        str, typer.Option(help="GPU type: h200 (141 GB, 4.8 TB/s), h100, h800, a100, b200.")
+    ] = "h200",
     gpus: Annotated[int, typer.Option(help="GPUs in the node; also the DP size of the dp_ep layout.")] = 8,
-    context: Annotated[int, typer.Option(help="Context length (tokens) for the sequences-per-node figures.")] = 4096,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bf16 or fp8 (fp8 halves bytes per token).")] = "bf16",
-    weight_dtype: Annotated[str, typer.Option(help="Weight dtype: fp8 (DeepSeek-V3 native) or bf16.")] = "fp8",
+    context: Annotated[
+        int, typer.Option(help="Context length (tokens) for the sequences-per-node figures.")
+    ] = 4096,
+    kv_dtype: Annotated[
+        str, typer.Option(help="KV cache dtype: bf16 or fp8 (fp8 halves bytes per token).")
+    ] = "bf16",
+    weight_dtype: Annotated[
+        str, typer.Option(help="Weight dtype: fp8 (DeepSeek-V3 native) or bf16.")
+    ] = "fp8",
     mem_fraction: Annotated[
         float, typer.Option(help="Share of GPU memory usable for weights + KV (the seed uses 0.92).")
     ] = 0.92,
-    page_size: Annotated[int, typer.Option(help="KV page/block size; per-rank capacity rounds down to it.")] = 1,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON instead of a table.")] = False,
+    page_size: Annotated[
+        int, typer.Option(help="KV page/block size; per-rank capacity rounds down to it.")
+    ] = 1,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the plan as JSON instead of a table.")
+    ] = False,
 ) -> None:
     """KV capacity of one node under TP attention and under DP attention + expert parallelism.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 from router.units import dtype_bytes
 
 
-class AttentionKind(str, Enum):
+class AttentionKind(StrEnum):
     MLA = "mla"
     GQA = "gqa"
     MHA = "mha"
@@ -223,7 +223,9 @@ def load_model(spec: str) -> ModelArch:
         if spec.endswith(".json") or "/" in spec:
             raise ModelConfigError(f"model config file not found: {spec}")
         known = ", ".join(sorted(PRESETS))
-        raise ModelConfigError(f"unknown model preset {spec!r} (known presets: {known}, or a config.json path)")
+        raise ModelConfigError(
+            f"unknown model preset {spec!r} (known presets: {known}, or a config.json path)"
+        )
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -18,22 +18,35 @@ def _rows(p: Plan) -> list[tuple[str, str, str]]:
 
     return [
         ("KV pools (ranks)", f"{tp.ranks}", f"{dp.ranks}"),
-        ("KV bytes/token held per GPU", f"{tp.kv_bytes_per_token_per_rank:,} B", f"{dp.kv_bytes_per_token_per_rank:,} B"),
+        (
+            "KV bytes/token held per GPU",
+            f"{tp.kv_bytes_per_token_per_rank:,} B",
+            f"{dp.kv_bytes_per_token_per_rank:,} B",
+        ),
         ("weights per GPU", gb(tp.weights_bytes_per_gpu), gb(dp.weights_bytes_per_gpu)),
         ("KV memory per GPU", gb(tp.kv_bytes_per_gpu), gb(dp.kv_bytes_per_gpu)),
         ("KV tokens per rank", f"{tp.kv_tokens_per_rank:,}", f"{dp.kv_tokens_per_rank:,}"),
         ("KV tokens in total", f"{tp.kv_tokens_total:,}", f"{dp.kv_tokens_total:,}"),
         (f"sequences at {p.context_tokens:,} tokens", f"{tp.seqs_at_context:,}", f"{dp.seqs_at_context:,}"),
-        ("  (pooled, if one could straddle ranks)", f"{tp.seqs_at_context_pooled:,}", f"{dp.seqs_at_context_pooled:,}"),
+        (
+            "  (pooled, if one could straddle ranks)",
+            f"{tp.seqs_at_context_pooled:,}",
+            f"{dp.seqs_at_context_pooled:,}",
+        ),
         ("KV read per GPU per step", f"{tp.kv_read_ms_per_step:.2f} ms", f"{dp.kv_read_ms_per_step:.2f} ms"),
-        ("attention weights read per step", f"{tp.attn_weight_read_ms_per_step:.2f} ms", f"{dp.attn_weight_read_ms_per_step:.2f} ms"),
+        (
+            "attention weights read per step",
+            f"{tp.attn_weight_read_ms_per_step:.2f} ms",
+            f"{dp.attn_weight_read_ms_per_step:.2f} ms",
+        ),
     ]
 
 
 def render_plan(p: Plan, console: Console | None = None) -> None:
     console = console or Console()
     title = (
-        f"{p.model} ({p.attention.upper()}, {p.kv_bytes_per_token:,} B/token {p.kv_dtype} KV) on {p.gpus}x {p.gpu.upper()}, "
+        f"{p.model} ({p.attention.upper()}, {p.kv_bytes_per_token:,} B/token {p.kv_dtype} KV) "
+        f"on {p.gpus}x {p.gpu.upper()}, "
         f"{p.mem_fraction:.0%} usable, {p.weight_dtype} weights"
     )
     table = Table(title=title, title_justify="left")

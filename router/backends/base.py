@@ -23,9 +23,21 @@ class BackendError(RuntimeError):
     """Discovery or telemetry failed (unreachable, unexpected payload)."""
 
 
+class UnsupportedRoute(BackendError):
+    """The engine has no such route (vLLM has no ``/generate``): the gateway answers 404, never forwards."""
+
+
+class RankOutOfRange(BackendError):
+    """A rank outside ``[0, dp_size)``: refused locally, because old SGLang servers crash on one."""
+
+
+class NotDiscovered(BackendError):
+    """The backend's DP size is not known yet (it was down at startup): no rank can be pinned."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """Configured backend: ``sglang=http://h:30000``, ``vllm=http://h:8000``, or ``vllm-external=URL0,URL1,...``."""
+    """A configured backend: ``sglang=URL``, ``vllm=URL``, or ``vllm-external=URL0,URL1,...`` ."""
 
     engine: EngineKind
     urls: tuple[str, ...]
@@ -40,16 +52,23 @@ class BackendSpec:
         engine, sep, rest = text.partition("=")
         engine = engine.strip().lower()
         if not sep or not rest.strip():
-            raise ValueError(f"backend {text!r}: expected ENGINE=URL (ENGINE one of {', '.join(ENGINE_KINDS)})")
+            raise ValueError(
+                f"backend {text!r}: expected ENGINE=URL (ENGINE one of {', '.join(ENGINE_KINDS)})"
+            )
         if engine not in ENGINE_KINDS:
-            raise ValueError(f"backend {text!r}: unknown engine {engine!r} (one of {', '.join(ENGINE_KINDS)})")
+            raise ValueError(
+                f"backend {text!r}: unknown engine {engine!r} (one of {', '.join(ENGINE_KINDS)})"
+            )
         urls = tuple(u.strip().rstrip("/") for u in rest.split(",") if u.strip())
         for u in urls:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"backend {text!r}: URL {u!r} must start with http:// or https://")
-        if engine != "vllm-external" and len(urls) != 1:
-            raise ValueError(f"backend {text!r}: {engine} takes exactly one URL (use vllm-external for one per rank)")
-        return cls(engine=engine, urls=urls, name=f"{engine}-{index}")  # type: ignore[arg-type]
+        # sglang with several URLs = per-rank HTTP ports (SGLANG_RUST_SERVER=1), one URL per rank in order.
+        if engine == "vllm" and len(urls) != 1:
+            raise ValueError(
+                f"backend {text!r}: {engine} takes exactly one URL (use vllm-external for one per rank)"
+            )
+        return cls(engine=engine, urls=urls, name=f"{engine}-{index}")
 
 
 @dataclass(frozen=True, slots=True)
