@@ -1,1 +1,4 @@
-"""Ledger stores: in-process (default) and Redis (shared across replicas)."""
+"""Ledger stores: in-process (default) and Redis (shared across replicas).
+
+Build one with :func:`router.ledger.factory.build_ledger`; the contract is in :mod:`router.ledger.base`.
+"""

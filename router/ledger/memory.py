@@ -1,0 +1,195 @@
+"""In-process ledger: one router process, no shared state, nanoseconds per call.
+
+Atomicity comes from asyncio itself: no method awaits between reading a rank's free tokens and writing the
+reservation, so two tasks can never both take the last free tokens of a rank.
+
+Leases: every reservation expires ``lease_ttl_s`` after its reserve or its last ``renew``. Because the TTL
+is one constant and the clock never goes backwards, insertion order of ``_lease_expiry_s`` (a dict, moved to
+the end on renew) is expiry order, so finding the expired reservations costs O(expired), and every public
+call reclaims them lazily first: an expired reservation is never visible, whether or not ``expire()`` ran.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from router.ledger.base import RankUsage, Reservation
+from router.placement.snapshot import RankKey
+
+DEFAULT_LEASE_TTL_S = 30.0
+
+
+@dataclass(slots=True)
+class _Held:
+    key: RankKey
+    tokens: int
+    generated_tokens: int = 0
+
+
+def check_tokens(tokens: int, *, allow_zero: bool) -> None:
+    """Reject non-integers and negative (or zero, for reserve) token counts: never silently miscount."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise ValueError(f"tokens must be an int, got {tokens!r}")
+    if tokens < 0 or (tokens == 0 and not allow_zero):
+        raise ValueError(f"tokens must be {'>= 0' if allow_zero else '>= 1'}, got {tokens}")
+
+
+def check_capacities(capacities: Mapping[RankKey, int]) -> None:
+    for key, capacity_tokens in capacities.items():
+        if not isinstance(key, RankKey):
+            raise ValueError(f"rank keys must be RankKey, got {key!r}")
+        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
+            raise ValueError(f"capacity of {key} must be an int >= 0, got {capacity_tokens!r}")
+
+
+class InMemoryLedger:
+    """The :class:`~router.ledger.base.Ledger` for a single router process.
+
+    ``clock`` returns seconds and must never decrease (``time.monotonic`` by default; tests inject a fake).
+    """
+
+    def __init__(
+        self, *, lease_ttl_s: float = DEFAULT_LEASE_TTL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        self.lease_ttl_s = lease_ttl_s
+        self._clock = clock
+        self._capacity_tokens: dict[RankKey, int] = {}
+        self._reserved_tokens: dict[RankKey, int] = {}
+        self._inflight: dict[RankKey, int] = {}
+        self._generated_tokens: dict[RankKey, int] = {}
+        self._held: dict[str, _Held] = {}
+        self._lease_expiry_s: dict[str, float] = {}
+
+    async def register(self, capacities: Mapping[RankKey, int]) -> None:
+        check_capacities(capacities)
+        for key, capacity_tokens in capacities.items():
+            self._capacity_tokens[key] = capacity_tokens
+            self._reserved_tokens.setdefault(key, 0)
+            self._inflight.setdefault(key, 0)
+            self._generated_tokens.setdefault(key, 0)
+
+    async def reserve(self, request_id: str, candidates: Sequence[RankKey], tokens: int) -> RankKey | None:
+        return self.reserve_now(request_id, candidates, tokens)
+
+    def reserve_now(self, request_id: str, candidates: Sequence[RankKey], tokens: int) -> RankKey | None:
+        """Synchronous reserve (also used by the Redis store's local share when Redis is down)."""
+        check_tokens(tokens, allow_zero=False)
+        now_s = self._expire_due()
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} already holds a reservation")
+        capacity = self._capacity_tokens
+        for key in candidates:
+            if key not in capacity:
+                raise ValueError(f"unknown rank {key} (not registered)")
+        for key in candidates:
+            if self._reserved_tokens[key] + tokens <= capacity[key]:
+                self._reserved_tokens[key] += tokens
+                self._inflight[key] += 1
+                self._held[request_id] = _Held(key, tokens)
+                self._lease_expiry_s[request_id] = now_s + self.lease_ttl_s
+                return key
+        return None
+
+    async def grow(self, request_id: str, tokens: int) -> bool:
+        check_tokens(tokens, allow_zero=True)
+        self._expire_due()
+        held = self._held.get(request_id)
+        if held is None:
+            return False
+        if self._reserved_tokens[held.key] + tokens > self._capacity_tokens[held.key]:
+            return False
+        held.tokens += tokens
+        self._reserved_tokens[held.key] += tokens
+        return True
+
+    async def shrink(self, request_id: str, tokens: int) -> bool:
+        """Give ``tokens`` back (clamped: a reservation never goes below zero)."""
+        check_tokens(tokens, allow_zero=True)
+        self._expire_due()
+        held = self._held.get(request_id)
+        if held is None:
+            return False
+        given_back_tokens = min(tokens, held.tokens)
+        held.tokens -= given_back_tokens
+        self._reserved_tokens[held.key] -= given_back_tokens
+        return True
+
+    async def add_generated(self, request_id: str, tokens: int) -> None:
+        check_tokens(tokens, allow_zero=True)
+        self._expire_due()
+        held = self._held.get(request_id)
+        if held is not None:
+            held.generated_tokens += tokens
+            self._generated_tokens[held.key] += tokens
+
+    async def release(self, request_id: str) -> bool:
+        self._expire_due()
+        return self.release_now(request_id)
+
+    def release_now(self, request_id: str) -> bool:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        self._lease_expiry_s.pop(request_id, None)
+        self._reserved_tokens[held.key] -= held.tokens
+        self._inflight[held.key] -= 1
+        self._generated_tokens[held.key] -= held.generated_tokens
+        return True
+
+    async def renew(self, request_ids: Iterable[str]) -> None:
+        now_s = self._expire_due()
+        expiry_s = now_s + self.lease_ttl_s
+        leases = self._lease_expiry_s
+        for request_id in request_ids:
+            if leases.pop(request_id, None) is not None:
+                leases[request_id] = expiry_s  # re-inserted at the end: keeps the dict in expiry order
+
+    async def expire(self) -> int:
+        before = len(self._held)
+        self._expire_due()
+        return before - len(self._held)
+
+    async def get(self, request_id: str) -> Reservation | None:
+        self._expire_due()
+        held = self._held.get(request_id)
+        if held is None:
+            return None
+        return Reservation(request_id, held.key, held.tokens, held.generated_tokens)
+
+    async def usage(self) -> dict[RankKey, RankUsage]:
+        self._expire_due()
+        return self.usage_now()
+
+    def usage_now(self) -> dict[RankKey, RankUsage]:
+        return {
+            key: RankUsage(
+                capacity_tokens=capacity_tokens,
+                reserved_tokens=self._reserved_tokens[key],
+                inflight=self._inflight[key],
+                generated_tokens=self._generated_tokens[key],
+            )
+            for key, capacity_tokens in self._capacity_tokens.items()
+        }
+
+    def held(self) -> dict[str, Reservation]:
+        """Every live reservation (for the Redis store's reconciliation and for tests)."""
+        self._expire_due()
+        return {rid: Reservation(rid, h.key, h.tokens, h.generated_tokens) for rid, h in self._held.items()}
+
+    async def close(self) -> None:
+        return None
+
+    def _expire_due(self) -> float:
+        """Reclaim every reservation whose lease ran out; returns the clock reading used."""
+        now_s = self._clock()
+        leases = self._lease_expiry_s
+        while leases:
+            request_id, expiry_s = next(iter(leases.items()))
+            if expiry_s > now_s:
+                break
+            self.release_now(request_id)
+        return now_s

@@ -1,0 +1,18 @@
+"""Shared fixtures. ``redis_url``: one real redis-server per test session on a free loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from loadtest.bench.redis_proc import RedisServer, redis_server_binary
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A throwaway redis-server (no persistence); tests isolate themselves by ledger namespace."""
+    if redis_server_binary() is None:
+        pytest.skip("SKIPPED LOUDLY: no redis-server binary on PATH; install it to run the Redis tests")
+    with RedisServer() as server:
+        yield server.url
