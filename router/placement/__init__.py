@@ -5,3 +5,57 @@ the request fits now, best first (the gateway tries them in order, so a reservat
 falls through to the next). An empty list means wait or refuse; :func:`router.placement.admission.decide`
 says which.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from router.placement.engine_like import vllm_internal
+from router.placement.lockstep import Lockstep
+from router.placement.policies import (
+    CacheAware,
+    Policy,
+    kv_fit,
+    least_requests,
+    power_of_two,
+    random_choice,
+    round_robin,
+)
+
+DEFAULT_POLICY: Final[str] = "lockstep"
+
+# Factories, not instances: a configurable policy is built fresh from its parameters on every call.
+_FACTORIES: Final[dict[str, Callable[..., Policy]]] = {
+    "lockstep": Lockstep,
+    "kv_fit": lambda: kv_fit,
+    "round_robin": lambda: round_robin,
+    "least_requests": lambda: least_requests,
+    "power_of_two": lambda: power_of_two,
+    "vllm_internal": lambda: vllm_internal,
+    "sglang_cache_aware": CacheAware,
+    "random": lambda: random_choice,
+}
+
+POLICY_NAMES: Final[tuple[str, ...]] = tuple(_FACTORIES)
+
+
+class UnknownPolicy(ValueError):
+    """A policy name or parameter the registry does not know."""
+
+
+def get_policy(name: str, **params: Any) -> Policy:
+    """The policy called ``name`` (see ``POLICY_NAMES``), configured with ``params``.
+
+    Raises :class:`UnknownPolicy` (a ValueError) with a one-line message for an unknown name or parameter.
+    """
+    factory = _FACTORIES.get(name.strip().lower().replace("-", "_"))
+    if factory is None:
+        raise UnknownPolicy(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")
+    try:
+        return factory(**params)
+    except TypeError:
+        raise UnknownPolicy(f"policy {name!r} does not take parameters {sorted(params)}") from None
+
+
+__all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "Policy", "UnknownPolicy", "get_policy"]

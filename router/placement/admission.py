@@ -1,0 +1,77 @@
+"""The admission decision: place now, wait for room, or refuse with a reason. Pure.
+
+The order of the checks is the order of permanence: a request longer than the model's context window or
+larger than every rank's whole pool can never run (refuse at once, 400); no usable rank may change (503);
+a request that fits an empty usable rank but no rank now waits in the gateway's bounded queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from router.placement.policies import Policy
+from router.placement.snapshot import RankKey, RequestShape, Snapshot
+
+
+class Action(StrEnum):
+    PLACE = "place"
+    WAIT = "wait"
+    REJECT = "reject"
+
+
+class RejectReason(StrEnum):
+    CONTEXT_LENGTH = "context_length"
+    TOO_LARGE = "too_large"
+    NO_HEALTHY_RANK = "no_healthy_rank"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``candidates`` are snapshot indices, best first (PLACE only); ``reason`` is set for REJECT only."""
+
+    action: Action
+    candidates: tuple[int, ...] = ()
+    reason: RejectReason | None = None
+    detail: str = field(default="", compare=False)
+
+    def keys(self, snapshot: Snapshot) -> list[RankKey]:
+        """The candidates as rank keys, the form the ledger's ``reserve`` takes."""
+        return [snapshot.ranks[i].key for i in self.candidates]
+
+
+def _reject(reason: RejectReason, detail: str) -> Decision:
+    return Decision(Action.REJECT, reason=reason, detail=detail)
+
+
+def decide(
+    snapshot: Snapshot, request: RequestShape, policy: Policy, *, max_context_tokens: int | None = None
+) -> Decision:
+    """Apply the policy to a request and say what the gateway must do with it.
+
+    The policy's answer is re-checked (in range, fits now, first occurrence only), so a faulty policy can
+    make a request wait but never place it where it does not fit.
+    """
+    if max_context_tokens is not None and request.total_tokens > max_context_tokens:
+        return _reject(
+            RejectReason.CONTEXT_LENGTH,
+            f"prompt ({request.prompt_tokens}) + output ({request.output_tokens}) tokens exceed the "
+            f"context length of {max_context_tokens}",
+        )
+    if not any(request.could_ever_fit(r) for r in snapshot.ranks):
+        largest = max((r.capacity_tokens for r in snapshot.ranks), default=0)
+        return _reject(
+            RejectReason.TOO_LARGE,
+            f"request needs {request.total_tokens} KV tokens; the largest rank holds {largest}",
+        )
+    if not any(r.usable and request.could_ever_fit(r) for r in snapshot.ranks):
+        return _reject(RejectReason.NO_HEALTHY_RANK, "no healthy rank can hold this request")
+    seen: set[int] = set()
+    candidates: list[int] = []
+    for i in policy(snapshot, request):
+        if 0 <= i < len(snapshot.ranks) and i not in seen and request.fits(snapshot.ranks[i]):
+            seen.add(i)
+            candidates.append(i)
+    if candidates:
+        return Decision(Action.PLACE, candidates=tuple(candidates))
+    return Decision(Action.WAIT, detail="no rank has room now")
