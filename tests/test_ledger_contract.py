@@ -52,7 +52,7 @@ class Harness:
         return ledger
 
 
-@pytest.fixture(params=["memory"])  # "redis" joins when RedisLedger lands
+@pytest.fixture(params=["memory", "redis"])
 async def harness(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator[Harness]:
     kind: str = request.param
     url: str | None = None

@@ -51,14 +51,11 @@ def build_ledger(
         raise ValueError(f"socket timeout must be > 0 s, got {socket_timeout_s}")
     from router.ledger.redis import RedisLedger  # the Redis client is only needed when configured
 
-    return cast(
-        Ledger,
-        RedisLedger.from_url(  # cast: RedisLedger is a stub until the next commit
-            redis_url.strip(),
-            failure_mode=check_failure_mode(failure_mode),
-            lease_ttl_s=lease_ttl_s,
-            namespace=check_namespace(namespace),
-            replicas=replicas,
-            socket_timeout_s=socket_timeout_s,
-        ),
+    return RedisLedger.from_url(
+        redis_url.strip(),
+        failure_mode=check_failure_mode(failure_mode),
+        lease_ttl_s=lease_ttl_s,
+        namespace=check_namespace(namespace),
+        replicas=replicas,
+        socket_timeout_s=socket_timeout_s,
     )

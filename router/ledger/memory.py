@@ -65,6 +65,9 @@ class InMemoryLedger:
         self._lease_expiry_s: dict[str, float] = {}
 
     async def register(self, capacities: Mapping[RankKey, int]) -> None:
+        self.register_now(capacities)
+
+    def register_now(self, capacities: Mapping[RankKey, int]) -> None:
         check_capacities(capacities)
         for key, capacity_tokens in capacities.items():
             self._capacity_tokens[key] = capacity_tokens
@@ -174,6 +177,10 @@ class InMemoryLedger:
             )
             for key, capacity_tokens in self._capacity_tokens.items()
         }
+
+    def holds(self, request_id: str) -> bool:
+        self._expire_due()
+        return request_id in self._held
 
     def held(self) -> dict[str, Reservation]:
         """Every live reservation (for the Redis store's reconciliation and for tests)."""
