@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from loadtest import cmd_run
+
 app = typer.Typer(
     name="kvrouter-loadtest",
     help="Load generation, an emulated SGLang/vLLM DP-attention engine, and a placement simulator.",
@@ -16,6 +18,9 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Subcommands: emulate, run, sim, compare."""
+
+
+cmd_run.register(app)
 
 
 def main() -> None:
