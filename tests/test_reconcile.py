@@ -113,9 +113,11 @@ async def test_rank_that_stops_answering_goes_unhealthy_and_recovers() -> None:
             fake.down = True  # the whole server answers 503: every rank goes, the error is kept for /ready
             await wait_for(lambda: not any(t.healthy for t in store.ranks().values()))
             assert "503" in (store.backend_error(backend.name) or "")
+            fake.capacity = 200_000  # it restarts with a smaller pool: re-discovered, not assumed
             fake.down = False
             await wait_for(lambda: all(t.healthy for t in store.ranks().values()))
             assert store.backend_error(backend.name) is None
+            await wait_for(lambda: store.info(backend.name).capacities_tokens[0] == 200_000)  # type: ignore[union-attr]
         finally:
             await rec.stop()
     assert not rec.running
