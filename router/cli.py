@@ -85,6 +85,16 @@ def plan_command(
         render_plan(result)
 
 
+def _register_serve() -> None:
+    # Imported here: cmd_serve imports fail() from this module.
+    from router.cmd_serve import serve_command
+
+    app.command("serve")(serve_command)
+
+
+_register_serve()
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,126 @@
+"""``kvrouter serve``: Settings (flags > env > config file > defaults), then the gateway in uvicorn."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from router.config import ConfigError, Settings, load_settings
+
+SETTINGS_ENV = "KVROUTER_SERVE_SETTINGS_JSON"  # hands resolved settings to uvicorn worker processes
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory for ``--workers N`` (each worker process builds its own app from the same settings)."""
+    from router.gateway import create_app
+
+    data = orjson.loads(os.environ[SETTINGS_ENV])
+    return create_app(Settings(**data))
+
+
+def run(settings: Settings) -> None:
+    import uvicorn
+
+    from router.gateway import create_app
+
+    common: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "log_level": settings.log_level.lower(),
+        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
+        "access_log": False,
+    }
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings), **common)
+        return
+    dumped = {k: _plain(v) for k, v in settings.model_dump().items() if k != "config_file"}
+    os.environ[SETTINGS_ENV] = orjson.dumps(dumped).decode()
+    uvicorn.run("router.cmd_serve:app_from_env", factory=True, workers=settings.workers, **common)
+
+
+def serve_command(
+    config: Annotated[Path | None, typer.Option("--config", help="YAML/JSON settings file.")] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default 8080).")] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(help="ENGINE=URL, repeatable: sglang=URL, vllm=URL, vllm-external=URL0,URL1,..."),
+    ] = None,
+    policy: Annotated[str | None, typer.Option(help="Placement policy (default lockstep).")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Shared ledger (default: in-process).")] = None,
+    workers: Annotated[int | None, typer.Option(help="uvicorn worker processes (needs --redis-url).")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Accepted client key, repeatable.")] = None,
+    admin_token: Annotated[str | None, typer.Option(help="Bearer token guarding /ranks.")] = None,
+    default_max_tokens: Annotated[int | None, typer.Option(help="Output reservation when unset.")] = None,
+    tokenizer_path: Annotated[str | None, typer.Option("--tokenizer", help="tokenizer.json path.")] = None,
+    queue_max: Annotated[int | None, typer.Option(help="Waiting requests before 429.")] = None,
+    queue_timeout_s: Annotated[float | None, typer.Option("--queue-timeout", help="503 after, s.")] = None,
+    request_timeout_s: Annotated[float | None, typer.Option("--request-timeout", help="Upstream, s.")] = None,
+    connect_timeout_s: Annotated[float | None, typer.Option("--connect-timeout", help="Upstream, s.")] = None,
+    max_body_bytes: Annotated[int | None, typer.Option(help="Largest request body (413 above).")] = None,
+    reconcile_interval_s: Annotated[float | None, typer.Option("--reconcile-interval", help="s.")] = None,
+    lease_ttl_s: Annotated[float | None, typer.Option("--lease-ttl", help="Reservation lease, s.")] = None,
+    ledger_failure_mode: Annotated[str | None, typer.Option(help="fail_closed or fail_open.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="uvicorn log level.")] = None,
+) -> None:
+    """Run the KV-aware gateway in front of SGLang / vLLM data-parallel deployments."""
+    from router.cli import fail
+
+    try:
+        settings = load_settings(
+            config_file=str(config) if config is not None else None,
+            host=host,
+            port=port,
+            backends=backend or None,
+            policy=policy,
+            redis_url=redis_url,
+            workers=workers,
+            api_keys=api_key or None,
+            admin_token=admin_token,
+            default_max_tokens=default_max_tokens,
+            tokenizer_path=tokenizer_path,
+            queue_max=queue_max,
+            queue_timeout_s=queue_timeout_s,
+            request_timeout_s=request_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_body_bytes=max_body_bytes,
+            reconcile_interval_s=reconcile_interval_s,
+            lease_ttl_s=lease_ttl_s,
+            ledger_failure_mode=ledger_failure_mode,
+            log_level=log_level,
+        )
+        check(settings)
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    run(settings)
+
+
+def check(settings: Settings) -> None:
+    """Fail fast (exit 2) on what would otherwise surface only at startup."""
+    from router.placement import get_policy
+    from router.sizing import load_tokenizer
+
+    if not settings.backends:
+        raise ValueError(
+            "no backend configured: pass --backend ENGINE=URL (or KVROUTER_BACKENDS, or a config file)"
+        )
+    get_policy(settings.policy)
+    if settings.tokenizer_path:
+        load_tokenizer(settings.tokenizer_path)

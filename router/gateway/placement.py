@@ -1,0 +1,146 @@
+"""Placement glue: snapshot (ledger + engine truth + local load) → policy → reserve, falling through.
+
+The policy and the admission decision are pure (router/placement); this module is their I/O shell. A
+request that fits nowhere now waits in the :class:`WaitQueue`; one that can never fit is refused at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from router.backends.base import BackendInfo, Route
+from router.ledger.base import Ledger, LedgerUnavailable, RankUsage
+from router.placement.admission import Action, RejectReason, decide
+from router.placement.policies import Policy
+from router.placement.snapshot import RankKey, RankView, Snapshot
+from router.telemetry import Metrics
+from router.telemetry_store import TelemetryStore
+
+from .errors import ApiError
+from .flight import Flight, LocalLoad
+from .waitqueue import QueueFull, QueueTimeout, WaitQueue
+
+GENERATE_ENGINES = frozenset({"sglang"})
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The ranks that may serve a request (route and model match), and their smallest context window."""
+
+    keys: tuple[RankKey, ...]
+    context_tokens: int
+
+
+def serves(info: BackendInfo, route: Route, model: str | None) -> bool:
+    if route == "/generate" and info.engine not in GENERATE_ENGINES:
+        return False
+    return model is None or model in info.models
+
+
+def candidates(store: TelemetryStore, route: Route, model: str | None) -> Candidates:
+    """Ranks of every discovered backend serving ``model`` on ``route``; 404 for an unknown model."""
+    infos = [i for i in store.infos().values() if serves(i, route, model)]
+    if not infos:
+        if not store.infos():
+            raise ApiError(503, "no backend discovered yet", code="not_ready", headers={"Retry-After": "1"})
+        known = sorted({m for i in store.infos().values() for m in i.models})
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist (served: {', '.join(known) or 'none'}).",
+            code="model_not_found",
+            param="model",
+        )
+    keys = tuple(RankKey(i.name, r) for i in infos for r in range(i.dp_size))
+    return Candidates(keys, min(i.max_model_len for i in infos))
+
+
+class Placer:
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: TelemetryStore,
+        policy: Policy,
+        load: LocalLoad,
+        queue: WaitQueue,
+        metrics: Metrics,
+        retry_after_s: int = 1,
+    ) -> None:
+        self.ledger = ledger
+        self.store = store
+        self.policy = policy
+        self.load = load
+        self.queue = queue
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+        self._tick = 0
+        self._rng = random.Random()
+
+    def _view(self, key: RankKey, usage: RankUsage | None) -> RankView:
+        truth = self.store.rank(key)
+        info = self.store.info(key.backend)
+        load = self.load.get(key)
+        capacity = usage.capacity_tokens if usage is not None else (truth.capacity_tokens if truth else 0)
+        return RankView(
+            key=key,
+            capacity_tokens=capacity,
+            page_size=info.page_size if info is not None else 1,
+            reserved_tokens=usage.reserved_tokens if usage is not None else 0,
+            inflight=usage.inflight if usage is not None else 0,
+            context_tokens=max(0, load.context_tokens),
+            prefill_tokens=max(0, load.prefill_tokens),
+            prefill_requests=max(0, load.prefill_requests),
+            engine_used_tokens=truth.engine_used_tokens if truth is not None else None,
+            healthy=truth is not None and truth.healthy and usage is not None,
+        )
+
+    async def snapshot(self, keys: Sequence[RankKey]) -> Snapshot:
+        usage = await self.ledger.usage()
+        self._tick += 1
+        return Snapshot(tuple(self._view(k, usage.get(k)) for k in keys), tick=self._tick)
+
+    async def _attempt(self, flight: Flight, keys: Sequence[RankKey]) -> RankKey | None:
+        """One placement try: None = no room now; raises ApiError when the request can never run."""
+        snap = await self.snapshot(keys)
+        decision = decide(snap, flight.shape, self.policy)
+        if decision.action is Action.REJECT:
+            if decision.reason is RejectReason.NO_HEALTHY_RANK:
+                raise ApiError(503, decision.detail, code="no_healthy_rank", headers={"Retry-After": "1"})
+            raise ApiError(400, decision.detail, code="too_large", param="max_tokens")
+        if decision.action is Action.WAIT:
+            return None
+        chosen = [snap.ranks[i] for i in decision.candidates]
+        tokens = flight.shape.reserve_tokens(max(r.page_size for r in chosen))
+        return await self.ledger.reserve(flight.request_id, [r.key for r in chosen], tokens)
+
+    async def place(
+        self, flight: Flight, keys: Sequence[RankKey], exclude: Collection[RankKey] = ()
+    ) -> RankKey:
+        """Reserve a rank for ``flight`` (waiting in line if need be) and account it locally."""
+        allowed = [k for k in keys if k not in exclude] if exclude else keys
+        if not allowed:
+            raise ApiError(503, "no rank left to try", code="no_healthy_rank", headers={"Retry-After": "1"})
+        try:
+            key = await self.queue.admit(lambda: self._attempt(flight, allowed))
+        except QueueFull:
+            raise ApiError(
+                429,
+                f"The router's queue is full ({self.queue.max_waiting} requests wait for KV capacity).",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
+        except QueueTimeout:
+            raise ApiError(
+                503,
+                f"No KV capacity freed within {self.queue.timeout_s:g} s.",
+                code="queue_timeout",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
+        except LedgerUnavailable as exc:
+            raise ApiError(503, f"ledger unavailable: {exc}", code="ledger_unavailable") from None
+        flight.on_placed(self.load, key)
+        return key
+
+    def entropy(self) -> int:
+        return self._rng.getrandbits(32)

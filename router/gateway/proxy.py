@@ -1,0 +1,246 @@
+"""One proxied request, steps 1-6 of DESIGN §3: parse, size, place, forward pinned, relay, release.
+
+The body is parsed once (orjson), client rank pins are dropped, the router's pin and output limit are set,
+and it is serialised once per attempt. Retries move to another rank only before the client saw a byte:
+connect errors, 5xx, or a stream that ended before its first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import Request
+from starlette.responses import Response
+
+from router.backends.base import BackendError, Route
+from router.placement.snapshot import RankKey, RequestShape
+from router.sizing import SizingError
+
+from .auth import check_api_key
+from .errors import ApiError
+from .flight import Flight
+from .placement import Candidates, candidates
+from .relay import DisconnectWatch, RelayResponse, sum_completion_tokens
+from .runtime import Gateway
+
+# Client-supplied rank pins and engine request ids: no client ever chooses a rank (an out-of-range rank
+# crashes older SGLang servers) or collides with the ids the router gives the engine.
+STRIPPED_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank", "rid")
+MAX_ERROR_BODY_BYTES = 4096
+
+
+@dataclass(slots=True)
+class Buffered:
+    status: int
+    body: bytes
+    content_type: str
+
+
+@dataclass(slots=True)
+class Streaming:
+    upstream: aiohttp.ClientResponse
+    first_chunk: bytes
+
+
+class RetryableUpstream(Exception):
+    """This rank failed before the first byte: try another."""
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"Request body exceeds {max_bytes} bytes.", code="request_too_large")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise ApiError(413, f"Request body exceeds {max_bytes} bytes.", code="request_too_large")
+    try:
+        payload = orjson.loads(buf)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Request body is not valid JSON: {exc.msg}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "Request body must be a JSON object.", code="invalid_request")
+    return payload
+
+
+def validate(route: Route, payload: dict[str, Any]) -> str | None:
+    """Checks the sizer does not do; returns the requested model (None: /generate without one)."""
+    for name in STRIPPED_FIELDS:
+        payload.pop(name, None)
+    model = payload.get("model")
+    if model is None and route == "/generate":
+        return None
+    if not isinstance(model, str) or not model:
+        raise ApiError(
+            400, "'model' is required and must be a non-empty string.", code="invalid_request", param="model"
+        )
+    if "stream" in payload and not isinstance(payload["stream"], bool | None):
+        raise ApiError(400, "'stream' must be a boolean.", code="invalid_request", param="stream")
+    return model
+
+
+def set_output_limit(route: Route, payload: dict[str, Any], tokens: int) -> None:
+    """Write the output limit the reservation assumed, so the engine cannot exceed it."""
+    if route == "/generate":
+        params = payload.get("sampling_params")
+        if not isinstance(params, dict):
+            params = payload["sampling_params"] = {}
+        params["max_new_tokens"] = tokens
+    elif "max_completion_tokens" in payload and payload["max_completion_tokens"] is not None:
+        payload["max_completion_tokens"] = tokens
+    else:
+        payload["max_tokens"] = tokens
+
+
+class Proxy:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def handle(self, request: Request, route: Route) -> Response:
+        """The whole request; every refusal is counted once, as a rejection and as an answered request."""
+        try:
+            return await self._handle(request, route)
+        except ApiError as exc:
+            self.gw.metrics.rejections.labels(exc.code).inc()
+            if not exc.counted:  # refused before a flight existed: nothing else counted it
+                self.gw.metrics.requests.labels(route, str(exc.status)).inc()
+            raise
+
+    async def _handle(self, request: Request, route: Route) -> Response:
+        gw = self.gw
+        check_api_key(request, gw.settings)
+        payload = await read_json(request, gw.settings.max_body_bytes)
+        model = validate(route, payload)
+        cands = candidates(gw.store, route, model)
+        try:
+            sized = gw.sizer.size(route, payload, cands.context_tokens)
+        except SizingError as exc:
+            raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
+        set_output_limit(route, payload, sized.output_limit_tokens)
+        shape = RequestShape(sized.prompt_tokens, sized.output_tokens, entropy=gw.placer.entropy())
+        stream = payload.get("stream") is True
+        flight = Flight(uuid.uuid4().hex, route, sized, shape, stream)
+        watch = DisconnectWatch(request.receive)
+        gw.begin(flight)
+        handed_off = False
+        status = 500
+        watch.start()
+        try:
+            result = await self._forward(flight, payload, cands)
+            status = result.status if isinstance(result, Buffered) else 200
+            if isinstance(result, Streaming):
+                handed_off = True
+                return RelayResponse(
+                    gw, flight, result.upstream, result.first_chunk, watch, _rank_header(flight)
+                )
+            flight.on_tokens(gw.load, sum_completion_tokens(result.body) if status == 200 else 0)
+            headers = dict(_rank_header_str(flight))
+            return Response(result.body, status, headers=headers, media_type=result.content_type)
+        except ApiError as exc:
+            status = exc.status
+            flight.outcome = exc.code
+            exc.counted = True
+            raise
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+            flight.outcome = "client_disconnect"
+            status = 499
+            gw.abort_upstream(flight)
+            return Response(b"", 499)
+        finally:
+            if not handed_off:
+                watch.stop()
+                await gw.finish(flight, status)
+
+    async def _forward(
+        self, flight: Flight, payload: dict[str, Any], cands: Candidates
+    ) -> Buffered | Streaming:
+        gw = self.gw
+        tried: list[RankKey] = []
+        last = "no attempt"
+        for attempt in range(gw.settings.retry_attempts):
+            key = await gw.placer.place(flight, cands.keys, exclude=tried)
+            try:
+                return await self._attempt(flight, payload, key, attempt)
+            except RetryableUpstream as exc:
+                last = f"{key}: {exc}"
+                tried.append(key)
+                gw.metrics.upstream_errors.labels(key.backend, "before_first_byte").inc()
+                if attempt + 1 < gw.settings.retry_attempts:
+                    gw.metrics.retries.labels(key.backend).inc()
+                await gw.unplace(flight)
+        raise ApiError(502, f"Upstream failed on {len(tried)} rank(s); last: {last}", code="upstream_error")
+
+    async def _attempt(
+        self, flight: Flight, payload: dict[str, Any], key: RankKey, attempt: int
+    ) -> Buffered | Streaming:
+        gw = self.gw
+        backend = gw.backends[key.backend]
+        try:
+            up = backend.upstream(key.rank, flight.route)  # type: ignore[arg-type]
+        except BackendError as exc:
+            raise RetryableUpstream(str(exc)) from None
+        payload.update(up.body_fields)
+        if backend.spec.engine == "sglang" and flight.sized.sequences == 1:
+            flight.rid = payload["rid"] = f"{flight.request_id}-{attempt}"
+        headers = {"Content-Type": "application/json", "X-Request-Id": flight.request_id, **up.headers}
+        assert gw.session is not None
+        try:
+            resp = await gw.session.post(
+                up.url, data=orjson.dumps(payload), headers=headers, timeout=gw.upstream_timeout
+            )
+        except aiohttp.ClientConnectionError as exc:
+            raise RetryableUpstream(f"connect: {type(exc).__name__}") from None
+        except TimeoutError:
+            raise ApiError(504, "Upstream did not answer in time.", code="upstream_timeout") from None
+        return await self._read_start(flight, resp)
+
+    async def _read_start(self, flight: Flight, resp: aiohttp.ClientResponse) -> Buffered | Streaming:
+        gw = self.gw
+        try:
+            if resp.status >= 500:
+                detail = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", "replace")
+                raise RetryableUpstream(f"HTTP {resp.status}: {detail[:200]}")
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if resp.status != 200 or not flight.stream or "text/event-stream" not in ctype:
+                body = await resp.read()
+                _first_byte(gw, flight)
+                return Buffered(resp.status, body, ctype)
+            first = await resp.content.readany()
+            if not first:
+                raise RetryableUpstream("stream ended before its first byte")
+            _first_byte(gw, flight)
+            return Streaming(resp, first)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            resp.close()
+            raise RetryableUpstream(f"{type(exc).__name__} before the first byte") from None
+        except TimeoutError:
+            resp.close()
+            raise ApiError(504, "Upstream did not answer in time.", code="upstream_timeout") from None
+        except BaseException:
+            resp.close()
+            raise
+        finally:
+            if resp.status != 200 or not flight.stream:
+                resp.release()
+
+
+def _first_byte(gw: Gateway, flight: Flight) -> None:
+    flight.on_first_byte(gw.load)
+    gw.metrics.ttft.labels(flight.route).observe(time.perf_counter() - flight.arrived_s)
+
+
+def _rank_header_str(flight: Flight) -> list[tuple[str, str]]:
+    return [("x-kvrouter-rank", str(flight.key))] if flight.key is not None else []
+
+
+def _rank_header(flight: Flight) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k, v in _rank_header_str(flight)]

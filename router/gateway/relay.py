@@ -1,0 +1,195 @@
+"""The streaming relay: upstream SSE bytes to the client, chunk by chunk, never re-parsing events.
+
+Generated tokens are counted cheaply per chunk: the number of ``data: {`` events, replaced by the engine's
+own cumulative ``completion_tokens`` whenever a chunk carries one (SGLang ``/generate`` meta_info on every
+event, the OpenAI usage chunk at the end). The counts feed the ledger in batches, not per event.
+
+A client that goes away is noticed by :class:`DisconnectWatch` (uvicorn's ``send`` silently drops data for
+a closed connection, so only ``receive`` tells), which cancels the request's task; the relay then closes
+the upstream connection (both engines abort a request whose connection closes) and asks the backend to
+abort by id. Whatever ends the stream, the flight is finished (its reservation released) exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import TYPE_CHECKING
+
+import aiohttp
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from .errors import sse_error_event
+
+if TYPE_CHECKING:
+    from .flight import Flight
+    from .runtime import Gateway
+
+REPORT_EVERY_TOKENS = 64
+_COMPLETION_TOKENS = b'"completion_tokens":'
+_DIGITS = re.compile(rb"\s*(\d+)")
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response ended."""
+
+
+class DisconnectWatch:
+    """Cancels the request's task when the client disconnects, until :meth:`stop`."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[object] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self.gone = False
+        self._armed = False
+
+    def start(self) -> None:
+        self._task = asyncio.current_task()
+        self._armed = True
+        self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def _listen(self) -> None:
+        while True:
+            message: Message = await self._receive()
+            if message["type"] == "http.disconnect":
+                if self._armed and self._task is not None:
+                    self.gone = True
+                    self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        self._armed = False
+        if self._listener is not None:
+            self._listener.cancel()
+            self._listener = None
+
+    def absorb(self) -> bool:
+        """After a CancelledError: True (and the cancel undone) if it was ours, i.e. the client left."""
+        if not self.gone or self._task is None:
+            return False
+        self._task.uncancel()
+        return True
+
+
+def last_completion_tokens(chunk: bytes) -> int | None:
+    """The last cumulative ``completion_tokens`` value in a chunk, if any (no JSON parsing)."""
+    at = chunk.rfind(_COMPLETION_TOKENS)
+    if at < 0:
+        return None
+    m = _DIGITS.match(chunk, at + len(_COMPLETION_TOKENS))
+    return int(m.group(1)) if m else None
+
+
+def sum_completion_tokens(body: bytes) -> int:
+    """Generated tokens of a non-streamed body (one or a batch of results)."""
+    total = 0
+    start = 0
+    while (at := body.find(_COMPLETION_TOKENS, start)) >= 0:
+        start = at + len(_COMPLETION_TOKENS)
+        m = _DIGITS.match(body, start)
+        if m:
+            total += int(m.group(1))
+    return total
+
+
+def count_chunk(flight: Flight, chunk: bytes) -> int:
+    """New generated tokens seen in ``chunk`` (relative to what the flight counted so far)."""
+    exact = last_completion_tokens(chunk) if _COMPLETION_TOKENS in chunk else None
+    if exact is not None:
+        return max(0, exact - flight.generated_tokens)
+    return chunk.count(b"data: {")
+
+
+class RelayResponse(Response):
+    """Streams an already-opened upstream response; owns the flight's end from here on."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        flight: Flight,
+        upstream: aiohttp.ClientResponse,
+        first_chunk: bytes,
+        watch: DisconnectWatch,
+        extra_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        # Response.__init__ is skipped on purpose: nothing is rendered up front.
+        self.status_code = 200
+        self.background = None
+        self._gw = gateway
+        self._flight = flight
+        self._upstream = upstream
+        self._first = first_chunk
+        self._watch = watch
+        self._raw = SSE_HEADERS + extra_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gw, flight = self._gw, self._flight
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self._raw})
+            await self._pump(send)
+            flight.outcome = "ok"
+        except asyncio.CancelledError:
+            if not self._watch.absorb():
+                flight.outcome = "cancelled"
+                raise
+            flight.outcome = "client_disconnect"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            flight.outcome = "upstream_timeout" if isinstance(exc, TimeoutError) else "upstream_error"
+            gw.metrics.upstream_errors.labels(_backend(flight), flight.outcome).inc()
+            await self._fail(send, exc)
+        finally:
+            self._watch.stop()
+            await self._close_upstream(gw, flight)
+            await gw.finish(flight, 200)
+
+    async def _pump(self, send: Send) -> None:
+        gw, flight = self._gw, self._flight
+        load = gw.load
+        chunk = self._first
+        content = self._upstream.content
+        while chunk:
+            new = count_chunk(flight, chunk)
+            if new:
+                flight.on_tokens(load, new)
+                if flight.generated_tokens - flight.reported_tokens >= REPORT_EVERY_TOKENS:
+                    await gw.report_tokens(flight)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            chunk = await content.readany()
+        self._watch.stop()  # the last send completes the response, after which uvicorn reports "disconnect"
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _fail(self, send: Send, exc: BaseException) -> None:
+        """Upstream died mid-stream: tell the client in-band, as the engines do, and end the stream."""
+        what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {type(exc).__name__}"
+        message = f"upstream {what} after the stream started"
+        self._watch.stop()
+        try:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse_error_event(message, "upstream_error"),
+                    "more_body": True,
+                }
+            )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass
+
+    async def _close_upstream(self, gw: Gateway, flight: Flight) -> None:
+        upstream = self._upstream
+        if flight.outcome == "ok" and upstream.content.at_eof():
+            upstream.release()  # keep-alive: the connection goes back to the pool
+            return
+        upstream.close()  # drops the connection: the engine aborts the request
+        gw.abort_upstream(flight)
+
+
+def _backend(flight: Flight) -> str:
+    return flight.key.backend if flight.key is not None else ""

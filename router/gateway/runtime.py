@@ -1,0 +1,218 @@
+"""The gateway's process-wide resources, built in the app lifespan and torn down with it.
+
+One aiohttp session (the data plane: one connection pool for every upstream request), one httpx client
+(the control plane: discovery, polls, aborts), the ledger, the backends and their reconcile loop, the
+metrics registry, and every live flight (so shutdown can release what is still held).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import aiohttp
+import httpx
+
+from router.backends.base import Backend, BackendInfo
+from router.backends.factory import make_backend
+from router.config import Settings
+from router.ledger.base import Ledger, LedgerUnavailable
+from router.ledger.factory import build_ledger
+from router.placement import get_policy
+from router.placement.snapshot import RankKey
+from router.reconcile import Reconciler, ReconcileSettings, ledger_estimate
+from router.sizing import Sizer, load_tokenizer
+from router.telemetry import Metrics, RankRow
+from router.telemetry_store import TelemetryStore
+
+from .flight import Flight, LocalLoad
+from .placement import Placer
+from .waitqueue import WaitQueue
+
+log = logging.getLogger(__name__)
+
+
+def build_sizer(settings: Settings) -> Sizer:
+    tokenizer = load_tokenizer(settings.tokenizer_path) if settings.tokenizer_path else None
+    return Sizer(
+        default_max_tokens=settings.default_max_tokens,
+        bytes_per_token=settings.bytes_per_token,
+        safety_factor=settings.estimate_safety_factor,
+        message_overhead_tokens=settings.chat_message_overhead_tokens,
+        tokenizer=tokenizer,
+    )
+
+
+class Gateway:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.sizer = build_sizer(settings)
+        self.backends: dict[str, Backend] = {
+            spec.name: make_backend(spec, timeout_s=settings.connect_timeout_s)
+            for spec in settings.backend_specs()
+        }
+        self.ledger: Ledger = build_ledger(
+            settings.redis_url,
+            failure_mode=settings.ledger_failure_mode,
+            lease_ttl_s=settings.lease_ttl_s,
+            replicas=settings.workers,
+        )
+        self.store = TelemetryStore()
+        self.load = LocalLoad()
+        self.queue = WaitQueue(settings.queue_max, settings.queue_timeout_s)
+        self.placer = Placer(
+            self.ledger, self.store, get_policy(settings.policy), self.load, self.queue, metrics
+        )
+        self.flights: dict[str, Flight] = {}
+        self.control = httpx.AsyncClient(timeout=settings.connect_timeout_s)
+        self.reconciler = Reconciler(
+            list(self.backends.values()),
+            self.store,
+            http=self.control,
+            settings=ReconcileSettings(interval_s=settings.reconcile_interval_s),
+            estimate=ledger_estimate(self.ledger),
+            on_discovered=self._discovered,
+        )
+        self.session: aiohttp.ClientSession | None = None
+        self.upstream_timeout = aiohttp.ClientTimeout(
+            total=settings.request_timeout_s, sock_connect=settings.connect_timeout_s
+        )
+        self._background: set[asyncio.Task[None]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        await self.reconciler.start()
+        self._renewer = asyncio.create_task(self._renew_loop(), name="kvrouter-lease-renew")
+
+    async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        await self.reconciler.stop()
+        for flight in list(self.flights.values()):  # anything still held at shutdown is released
+            flight.outcome = "shutdown"
+            await self.finish(flight, 503)
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+        await self.control.aclose()
+        await self.ledger.close()
+
+    async def _discovered(self, info: BackendInfo) -> None:
+        await self.ledger.register({RankKey(info.name, r): c for r, c in enumerate(info.capacities_tokens)})
+        self.queue.wake()
+
+    async def _renew_loop(self) -> None:
+        """Keep the leases of live flights from expiring (a lost router lets them lapse)."""
+        period_s = self.settings.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period_s)
+            if self.flights:
+                try:
+                    await self.ledger.renew(list(self.flights))
+                except LedgerUnavailable as exc:
+                    log.warning("lease renew failed: %s", exc)
+            self.queue.wake()
+
+    # -- flights -----------------------------------------------------------------------------------------
+
+    def begin(self, flight: Flight) -> None:
+        self.flights[flight.request_id] = flight
+
+    async def unplace(self, flight: Flight) -> None:
+        """Give back a rank before retrying elsewhere."""
+        flight.on_unplaced(self.load)
+        await self._release(flight.request_id)
+
+    async def finish(self, flight: Flight, status: int) -> None:
+        """Release exactly once and record the outcome, whatever path ends the request."""
+        if flight.finished:
+            return
+        flight.finished = True
+        self.flights.pop(flight.request_id, None)
+        if flight.generated_tokens:
+            self.metrics.generated.inc(flight.generated_tokens)
+        flight.on_unplaced(self.load)
+        await self._release(flight.request_id)
+        m = self.metrics
+        m.requests.labels(flight.route, str(status)).inc()
+        m.duration.labels(flight.route).observe(time.perf_counter() - flight.arrived_s)
+        if flight.outcome == "client_disconnect":
+            m.disconnects.inc()
+
+    async def _release(self, request_id: str) -> None:
+        try:
+            await self.ledger.release(request_id)
+        except LedgerUnavailable as exc:  # the lease will lapse; nothing else can be done now
+            log.warning("release of %s failed: %s", request_id, exc)
+        self.queue.wake()
+
+    async def report_tokens(self, flight: Flight) -> None:
+        """Tell the ledger how far generation got; grow the reservation past its prediction (rare)."""
+        delta = flight.generated_tokens - flight.reported_tokens
+        if delta <= 0 or flight.key is None:
+            return
+        flight.reported_tokens = flight.generated_tokens
+        try:
+            await self.ledger.add_generated(flight.request_id, delta)
+            page = self._page_size(flight.key)
+            need = flight.shape.prompt_tokens + flight.generated_tokens
+            have = flight.shape.reserve_tokens(page) + flight.grown_tokens
+            if need > have:
+                step = -(-(need - have) // page) * page
+                if await self.ledger.grow(flight.request_id, step):
+                    flight.grown_tokens += step
+        except LedgerUnavailable as exc:
+            log.debug("token report for %s failed: %s", flight.request_id, exc)
+
+    def _page_size(self, key: RankKey) -> int:
+        info = self.store.info(key.backend)
+        return info.page_size if info is not None else 1
+
+    def abort_upstream(self, flight: Flight) -> None:
+        """Best-effort engine-side abort by id, in the background (never delays the release)."""
+        if flight.key is None or flight.rid is None:
+            return
+        backend = self.backends.get(flight.key.backend)
+        if backend is None:
+            return
+        task = asyncio.create_task(backend.abort(self.control, flight.key.rank, flight.rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- views -------------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return any(truth.healthy for truth in self.store.ranks().values())
+
+    async def rank_rows(self) -> list[RankRow]:
+        try:
+            usage = await self.ledger.usage()
+        except LedgerUnavailable:
+            usage = {}
+        rows = []
+        for key, truth in sorted(self.store.ranks().items(), key=lambda kv: (kv[0].backend, kv[0].rank)):
+            u = usage.get(key)
+            rows.append(
+                RankRow(
+                    backend=key.backend,
+                    rank=key.rank,
+                    capacity_tokens=u.capacity_tokens if u is not None else truth.capacity_tokens,
+                    reserved_tokens=u.reserved_tokens if u is not None else 0,
+                    inflight=u.inflight if u is not None else 0,
+                    engine_used_tokens=truth.engine_used_tokens,
+                    healthy=truth.healthy,
+                )
+            )
+        return rows
