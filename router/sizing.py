@@ -165,7 +165,8 @@ class Sizer:
     def output_limit(route: str, body: dict[str, Any]) -> tuple[int | None, int]:
         """(requested output tokens per sequence or None, n)."""
         if route == "/generate":
-            params = body.get("sampling_params") or {}
+            params = body.get("sampling_params")
+            params = {} if params is None else params
             if not isinstance(params, dict):
                 raise SizingError("'sampling_params' must be an object", param="sampling_params")
             limit = _int_field(params, "max_new_tokens", "sampling_params.max_new_tokens", 0)
