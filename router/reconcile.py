@@ -129,18 +129,23 @@ class Reconciler:
             for b in self.backends
             if force
             or b.name in self._rediscover
-            or (self.store.info(b.name) is None and now >= self._next_discovery_s.get(b.name, 0.0))
+            or (self._incomplete(b.name) and now >= self._next_discovery_s.get(b.name, 0.0))
         ]
         if due:
             await asyncio.gather(*(self._discover_one(b) for b in due))
 
+    def _incomplete(self, name: str) -> bool:
+        """Never discovered, or discovered without some ranks (external LB with a pod down)."""
+        info = self.store.info(name)
+        return info is None or bool(info.extra.get("unverified_ranks"))
+
     async def _discover_one(self, backend: Backend) -> None:
         self._rediscover.discard(backend.name)
         loop = asyncio.get_running_loop()
+        self._next_discovery_s[backend.name] = loop.time() + self.settings.rediscover_interval_s
         try:
             info = await asyncio.wait_for(backend.discover(self._client()), self.settings.discover_timeout_s)
         except Exception as exc:  # any failure means "not yet"; keep the message for /ready
-            self._next_discovery_s[backend.name] = loop.time() + self.settings.rediscover_interval_s
             self.store.set_backend_error(backend.name, f"discovery: {_describe(exc)}")
             log.warning("%s: discovery failed: %s", backend.name, _describe(exc))
             return

@@ -93,13 +93,16 @@ class TelemetryStore:
         self._infos[info.name] = info
         for key in [k for k in self._ranks if k.backend == info.name and k.rank >= info.dp_size]:
             del self._ranks[key]  # the backend came back with fewer ranks
+        unverified = set(info.extra.get("unverified_ranks", ()))
         for rank, capacity in enumerate(info.capacities_tokens):
             key = RankKey(info.name, rank)
             old = self._ranks.get(key)
-            # Discovery answered, so a new rank starts healthy; a known rank keeps its health history.
-            self._ranks[key] = (
-                RankTruth(key, capacity) if old is None else replace(old, capacity_tokens=capacity)
-            )
+            # A new rank that answered discovery starts healthy, one that did not must earn it;
+            # a known rank keeps its health history.
+            if old is None:
+                self._ranks[key] = RankTruth(key, capacity, healthy=rank not in unverified)
+            else:
+                self._ranks[key] = replace(old, capacity_tokens=capacity)
         return changed
 
     def set_backend_error(self, backend: str, error: str | None) -> None:

@@ -171,3 +171,24 @@ async def wait_for(predicate: object, timeout_s: float = 5.0) -> None:
     while not predicate():  # type: ignore[operator]
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def test_external_lb_rank_down_at_startup_does_not_block_the_others() -> None:
+    fakes = [FakeVLLM(engines=[r], blocks_per_engine=1000 * (r + 1), summed=False) for r in range(3)]
+    fakes[0].down = True  # rank 0 (also the first /v1/models candidate) is restarting
+    async with serve(fakes[0].app()) as u0, serve(fakes[1].app()) as u1, serve(fakes[2].app()) as u2:
+        backend = make_backend(BackendSpec.parse(f"vllm-external={u0},{u1},{u2}"))
+        store = TelemetryStore(unhealthy_after=2, healthy_after=2)
+        rec = Reconciler([backend], store, settings=FAST)
+        await rec.start()
+        try:
+            info = store.info(backend.name)
+            assert info is not None and info.extra["unverified_ranks"] == (0,)
+            assert info.capacities_tokens == (32_000, 32_000, 48_000)  # rank 0 assumed like the smallest
+            assert [store.healthy(RankKey(backend.name, r)) for r in range(3)] == [False, True, True]
+            fakes[0].down = False
+            await wait_for(lambda: store.healthy(RankKey(backend.name, 0)))
+            await wait_for(lambda: store.info(backend.name).capacities_tokens[0] == 16_000)  # type: ignore[union-attr]
+            assert store.info(backend.name).extra["unverified_ranks"] == ()  # type: ignore[union-attr]
+        finally:
+            await rec.stop()

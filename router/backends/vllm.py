@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -150,11 +150,19 @@ class _VLLMBase:
     async def _scrape(self, http: httpx.AsyncClient, url: str, names: Collection[str]) -> list[prom.Sample]:
         return prom.parse_samples(await fetch.get_text(http, f"{url}/metrics", self.timeout_s), names)
 
-    async def _models(self, http: httpx.AsyncClient) -> tuple[tuple[str, ...], int]:
-        ids, max_model_len = await fetch.get_models(http, self.spec.urls[0], self.timeout_s)
-        if not max_model_len:
-            raise BackendError(f"{self.spec.urls[0]}/v1/models: no max_model_len")
-        return ids, max_model_len
+    async def _models_from(self, http: httpx.AsyncClient, urls: Sequence[str]) -> tuple[tuple[str, ...], int]:
+        """``/v1/models`` of the first URL that answers (all ranks serve the same model)."""
+        last: BackendError = BackendError(f"{self.name}: no URL to ask for /v1/models")
+        for url in urls:
+            try:
+                ids, max_model_len = await fetch.get_models(http, url, self.timeout_s)
+            except BackendError as exc:
+                last = exc
+                continue
+            if not max_model_len:
+                raise BackendError(f"{url}/v1/models: no max_model_len")
+            return ids, max_model_len
+        raise last
 
     def _build_upstream(self, rank: int, route: Route) -> Upstream:
         raise NotImplementedError
@@ -191,7 +199,7 @@ class VLLMBackend(_VLLMBase):
     async def discover(self, http: httpx.AsyncClient) -> BackendInfo:
         url = self.spec.urls[0]
         samples, (models, max_model_len) = await asyncio.gather(
-            self._scrape(http, url, (CACHE_INFO,)), self._models(http)
+            self._scrape(http, url, (CACHE_INFO,)), self._models_from(http, [url])
         )
         caches = parse_cache_config(samples)
         if not caches:
@@ -232,39 +240,54 @@ class VLLMExternalBackend(_VLLMBase):
     engine_kind: EngineKind = "vllm-external"
 
     async def discover(self, http: httpx.AsyncClient) -> BackendInfo:
-        scrapes = await asyncio.gather(*(self._scrape(http, u, (CACHE_INFO,)) for u in self.spec.urls))
-        models, max_model_len = await self._models(http)
-        capacities: list[int] = []
-        engines: list[str] = []
-        block_sizes: set[int] = set()
-        for url, samples in zip(self.spec.urls, scrapes, strict=True):
-            caches = parse_cache_config(samples)
-            if len(caches) != 1:
-                raise BackendError(f"{url}/metrics: expected one engine's {CACHE_INFO}, found {len(caches)}")
-            cache = next(iter(caches.values()))
-            capacity = cache.capacity_tokens(1)  # one engine per server: its own, unsummed count
-            if not capacity:
-                raise BackendError(f"{url}/metrics: {CACHE_INFO} has no usable num_gpu_blocks yet")
-            capacities.append(capacity)
-            engines.append(cache.engine)
-            block_sizes.add(cache.block_size)
+        """Every rank that answers gives its own pool; a rank that does not (one pod restarting) must not
+        keep the others out: it is listed in ``extra["unverified_ranks"]``, assumed as large as the
+        smallest answering rank, starts unhealthy, and the reconcile loop re-discovers until it answers."""
+        results = await asyncio.gather(
+            *(self._rank_cache(http, u) for u in self.spec.urls), return_exceptions=True
+        )
+        caches = [r for r in results if isinstance(r, EngineCache)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for err in errors:
+            if not isinstance(err, BackendError):
+                raise err
+        if not caches:
+            raise errors[0]
+        answered = [u for u, r in zip(self.spec.urls, results, strict=True) if isinstance(r, EngineCache)]
+        models, max_model_len = await self._models_from(http, answered)
+        fallback_tokens = min(c.capacity_tokens(1) or 0 for c in caches)
+        block_sizes = sorted({c.block_size for c in caches})
         if len(block_sizes) != 1:
-            log.warning(
-                "%s: ranks disagree on block_size %s; using the largest", self.name, sorted(block_sizes)
-            )
+            log.warning("%s: ranks disagree on block_size %s; using the largest", self.name, block_sizes)
         info = BackendInfo(
             name=self.name,
             engine="vllm-external",
             url=self.spec.display_url,
             models=models,
             dp_size=len(self.spec.urls),
-            page_size=max(block_sizes),
+            page_size=block_sizes[-1],
             max_model_len=max_model_len,
-            capacities_tokens=tuple(capacities),
-            extra={"engines": engines, "pin": "url"},
+            capacities_tokens=tuple(
+                (r.capacity_tokens(1) or 0) if isinstance(r, EngineCache) else fallback_tokens
+                for r in results
+            ),
+            extra={
+                "engines": [r.engine if isinstance(r, EngineCache) else None for r in results],
+                "pin": "url",
+                "unverified_ranks": tuple(i for i, r in enumerate(results) if not isinstance(r, EngineCache)),
+            },
         )
         self._set_info(info)
         return info
+
+    async def _rank_cache(self, http: httpx.AsyncClient, url: str) -> EngineCache:
+        caches = parse_cache_config(await self._scrape(http, url, (CACHE_INFO,)))
+        if len(caches) != 1:
+            raise BackendError(f"{url}/metrics: expected one engine's {CACHE_INFO}, found {len(caches)}")
+        cache = next(iter(caches.values()))
+        if not cache.capacity_tokens(1):  # one engine per server: its own, unsummed count
+            raise BackendError(f"{url}/metrics: {CACHE_INFO} has no usable num_gpu_blocks yet")
+        return cache
 
     def _build_upstream(self, rank: int, route: Route) -> Upstream:
         return Upstream(url=self.spec.urls[rank] + route)
