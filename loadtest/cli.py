@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from loadtest import cmd_run
+from loadtest import cmd_compare, cmd_run
 
 app = typer.Typer(
     name="kvrouter-loadtest",
@@ -21,6 +21,7 @@ def _root() -> None:
 
 
 cmd_run.register(app)
+cmd_compare.register(app)
 
 
 def main() -> None:
