@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from router.backends.base import Backend, BackendInfo, RankTelemetry
+from router.backends import fetch
+from router.backends.base import Backend, BackendError, BackendInfo, RankTelemetry
 from router.ledger.base import Ledger
 from router.placement.snapshot import RankKey
 from router.telemetry_store import TelemetryStore
@@ -36,9 +37,10 @@ class ReconcileSettings:
     poll_timeout_s: float = 3.0  # per backend per round, on top of the adapters' per-call timeouts
     discover_timeout_s: float = 5.0
     rediscover_interval_s: float = 5.0
+    probe_interval_s: float = 5.0  # a rank whose data-plane breaker tripped gets a 1-token request this often
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.poll_timeout_s <= 0 or self.discover_timeout_s <= 0:
+        if min(self.interval_s, self.poll_timeout_s, self.discover_timeout_s, self.probe_interval_s) <= 0:
             raise ValueError("reconcile intervals and timeouts must be positive")
         if not 0 <= self.jitter_frac < 1:
             raise ValueError(f"jitter_frac must be in [0, 1), got {self.jitter_frac}")
@@ -79,6 +81,7 @@ class Reconciler:
         self._task: asyncio.Task[None] | None = None
         self._next_discovery_s: dict[str, float] = {}
         self._rediscover: set[str] = set()
+        self._next_probe_s: dict[RankKey, float] = {}
 
     @property
     def running(self) -> bool:
@@ -169,6 +172,7 @@ class Reconciler:
         estimates = await self._estimates()
         for backend, result in zip(polled, results, strict=True):
             self._record(backend, result, estimates)
+        await self._probe_tripped()
         self.store.polls += 1
 
     async def _poll_one(self, backend: Backend) -> list[RankTelemetry]:
@@ -207,6 +211,42 @@ class Reconciler:
             self.store.record(key, telemetry, estimate)
         if was_down and any(t.healthy for t in result):
             self._rediscover.add(backend.name)  # it came back: it may have restarted with another shape
+
+    # -- data-plane breaker probes -------------------------------------------------------------------------
+
+    async def _probe_tripped(self) -> None:
+        now = asyncio.get_running_loop().time()
+        due = [k for k in self.store.tripped() if now >= self._next_probe_s.get(k, 0.0)]
+        for key in due:
+            self._next_probe_s[key] = now + self.settings.probe_interval_s
+        if due:
+            await asyncio.gather(*(self._probe(key) for key in due))
+
+    async def _probe(self, key: RankKey) -> None:
+        """One-token pinned completion: a 2xx closes the rank's breaker, anything else leaves it open."""
+        backend = next((b for b in self.backends if b.name == key.backend), None)
+        info = self.store.info(key.backend)
+        if backend is None or info is None or not info.models:
+            return
+        try:
+            up = backend.upstream(key.rank, "/v1/completions")
+            body = {
+                "model": info.models[0],
+                "prompt": "ping",
+                "max_tokens": 1,
+                "stream": False,
+                **up.body_fields,
+            }
+            timeout_s = self.settings.poll_timeout_s
+            status = await asyncio.wait_for(
+                fetch.post_json(self._client(), up.url, body, timeout_s, headers=up.headers), timeout_s
+            )
+        except (BackendError, TimeoutError) as exc:
+            log.debug("%s: probe failed: %s", key, _describe(exc))
+            return
+        if 200 <= status < 300:
+            log.info("%s: probe succeeded, rank back in rotation", key)
+            self.store.report_upstream(key, True)
 
 
 def _describe(exc: BaseException) -> str:

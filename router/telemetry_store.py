@@ -3,8 +3,15 @@
 Written only by the reconcile loop (router/reconcile.py), read by the gateway when it builds a placement
 snapshot, serves ``/ranks`` or renders ``/metrics``: reads never reach a backend, so a Prometheus scrape
 costs no fan-out. Values are immutable :class:`RankTruth` records replaced whole on every update, so a
-reader never sees half an update. Health has hysteresis: ``unhealthy_after`` consecutive failed probes
-take a rank out, ``healthy_after`` consecutive good ones bring it back.
+reader never sees half an update.
+
+A rank is healthy when both planes say so:
+* control plane (polls): ``unhealthy_after`` consecutive failed polls take a rank out, ``healthy_after``
+  consecutive good ones bring it back (hysteresis);
+* data plane (a circuit breaker): the gateway reports rank-level upstream failures of real requests
+  (:meth:`report_upstream`); ``trip_after`` in a row trip the rank, because a rank that answers polls but
+  refuses work (SGLang "DP rank R is not active.") looks empty and would otherwise attract every request.
+  The reconcile loop probes a tripped rank with a one-token pinned request until it succeeds.
 """
 
 from __future__ import annotations
@@ -37,18 +44,27 @@ class RankTruth:
     drift_tokens: int | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    polled_healthy: bool = True  # the control-plane verdict alone
+    tripped: bool = False  # the data-plane breaker is open
+    upstream_failures: int = 0  # consecutive rank-level failures of forwarded requests
     updated_s: float | None = None  # monotonic clock of the last good probe
     last_error: str | None = None
 
 
 class TelemetryStore:
     def __init__(
-        self, *, unhealthy_after: int = 3, healthy_after: int = 2, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        unhealthy_after: int = 3,
+        healthy_after: int = 2,
+        trip_after: int = 3,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if unhealthy_after < 1 or healthy_after < 1:
-            raise ValueError("unhealthy_after and healthy_after must be >= 1")
+        if unhealthy_after < 1 or healthy_after < 1 or trip_after < 1:
+            raise ValueError("unhealthy_after, healthy_after and trip_after must be >= 1")
         self.unhealthy_after = unhealthy_after
         self.healthy_after = healthy_after
+        self.trip_after = trip_after
         self._clock = clock
         self._ranks: dict[RankKey, RankTruth] = {}
         self._infos: dict[str, BackendInfo] = {}
@@ -100,7 +116,8 @@ class TelemetryStore:
             # A new rank that answered discovery starts healthy, one that did not must earn it;
             # a known rank keeps its health history.
             if old is None:
-                self._ranks[key] = RankTruth(key, capacity, healthy=rank not in unverified)
+                answered = rank not in unverified
+                self._ranks[key] = RankTruth(key, capacity, healthy=answered, polled_healthy=answered)
             else:
                 self._ranks[key] = replace(old, capacity_tokens=capacity)
         return changed
@@ -121,9 +138,11 @@ class TelemetryStore:
             return
         used = telemetry.used_tokens
         successes = old.consecutive_successes + 1
+        polled_healthy = old.polled_healthy or successes >= self.healthy_after
         self._ranks[key] = replace(
             old,
-            healthy=old.healthy or successes >= self.healthy_after,
+            polled_healthy=polled_healthy,
+            healthy=polled_healthy and not old.tripped,
             engine_used_tokens=used,
             running=telemetry.running,
             waiting=telemetry.waiting,
@@ -142,10 +161,40 @@ class TelemetryStore:
         if old is None:
             return
         failures = old.consecutive_failures + 1
+        polled_healthy = old.polled_healthy and failures < self.unhealthy_after
         self._ranks[key] = replace(
             old,
-            healthy=old.healthy and failures < self.unhealthy_after,
+            polled_healthy=polled_healthy,
+            healthy=polled_healthy and not old.tripped,
             consecutive_failures=failures,
             consecutive_successes=0,
             last_error=error,
         )
+
+    def report_upstream(self, key: RankKey, ok: bool, reason: str = "") -> None:
+        """The data plane's verdict on one forwarded request (gateway; cheap when nothing changes).
+
+        ``ok=False`` only for failures that are the rank's fault (connection refused or reset before the
+        first byte, 5xx, "rank not active"), never for a client's 4xx. ``ok=True`` closes the breaker.
+        """
+        old = self._ranks.get(key)
+        if old is None:
+            return
+        if ok:
+            if old.tripped or old.upstream_failures:
+                self._ranks[key] = replace(
+                    old, tripped=False, upstream_failures=0, healthy=old.polled_healthy
+                )
+            return
+        failures = old.upstream_failures + 1
+        tripped = old.tripped or failures >= self.trip_after
+        self._ranks[key] = replace(
+            old,
+            upstream_failures=failures,
+            tripped=tripped,
+            healthy=old.polled_healthy and not tripped,
+            last_error=reason or old.last_error,
+        )
+
+    def tripped(self) -> list[RankKey]:
+        return [k for k, t in self._ranks.items() if t.tripped]

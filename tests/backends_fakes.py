@@ -90,6 +90,8 @@ class FakeSGLang(FakeEngine):
     internal_states: bool = True
     silent_ranks: set[int] = field(default_factory=set)  # omitted from /v1/loads and /metrics
     aborted: list[str] = field(default_factory=list)
+    inactive_ranks: set[int] = field(default_factory=set)  # pinned completions get 503 "not active"
+    pins: list[tuple[int | None, str | None]] = field(default_factory=list)  # (body rank, header) seen
 
     def __post_init__(self) -> None:
         self.used = self.used or [0] * self.dp
@@ -176,6 +178,14 @@ class FakeSGLang(FakeEngine):
         async def models(_: Request) -> Response:
             return JSONResponse(models_payload(self.max_model_len, "sglang"))
 
+        async def completions(request: Request) -> Response:
+            body = await request.json()
+            rank = body.get("routed_dp_rank")
+            self.pins.append((rank, request.headers.get("x-data-parallel-rank")))
+            if rank in self.inactive_ranks:
+                return JSONResponse({"error": {"message": f"DP rank {rank} is not active."}}, 503)
+            return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "x"}]})
+
         async def abort(request: Request) -> Response:
             self.aborted.append((await request.json())["rid"])
             return Response(status_code=200)
@@ -188,6 +198,7 @@ class FakeSGLang(FakeEngine):
                 Route("/metrics", guarded(self, metrics)),
                 Route("/v1/models", guarded(self, models)),
                 Route("/abort_request", guarded(self, abort), methods=["POST"]),
+                Route("/v1/completions", guarded(self, completions), methods=["POST"]),
             ]
         )
 

@@ -51,6 +51,26 @@ def test_health_hysteresis() -> None:
     assert store.healthy(key)
 
 
+def test_data_plane_breaker_is_independent_of_polls() -> None:
+    store = TelemetryStore(trip_after=2)
+    store.set_info(BackendInfo("b", "sglang", "http://x", ("m",), 1, 1, 1000, (100,)))
+    key = RankKey("b", 0)
+    store.report_upstream(key, False, "503 not active")
+    store.report_upstream(key, True)  # a success in between resets the streak
+    store.report_upstream(key, False, "503 not active")
+    assert store.healthy(key) and store.tripped() == []
+    store.report_upstream(key, False, "503 not active")
+    assert not store.healthy(key) and store.tripped() == [key]
+    store.record(key, RankTelemetry(rank=0, used_tokens=0))  # polls still answer: the breaker stays open
+    assert not store.healthy(key)
+    store.report_upstream(key, True)
+    assert store.healthy(key) and store.tripped() == []
+    for _ in range(3):
+        store.record_failure(key, "poll timed out")
+    store.report_upstream(key, True)  # a closed breaker does not override the polls' verdict
+    assert not store.healthy(key)
+
+
 def test_drift_and_shrinking_backend() -> None:
     store, key = store_with_one_rank()
     store.record(key, RankTelemetry(rank=0, used_tokens=300), estimate_tokens=1000)
@@ -190,5 +210,25 @@ async def test_external_lb_rank_down_at_startup_does_not_block_the_others() -> N
             await wait_for(lambda: store.healthy(RankKey(backend.name, 0)))
             await wait_for(lambda: store.info(backend.name).capacities_tokens[0] == 16_000)  # type: ignore[union-attr]
             assert store.info(backend.name).extra["unverified_ranks"] == ()  # type: ignore[union-attr]
+        finally:
+            await rec.stop()
+
+
+async def test_tripped_rank_is_probed_pinned_and_comes_back() -> None:
+    fake = FakeSGLang(dp=4, inactive_ranks={3})
+    settings = ReconcileSettings(interval_s=0.02, poll_timeout_s=0.5, probe_interval_s=0.05)
+    async with serve(fake.app()) as url:
+        backend = make_backend(BackendSpec.parse(f"sglang={url}"))
+        store = TelemetryStore(trip_after=1)
+        rec = Reconciler([backend], store, settings=settings)
+        await rec.start()
+        try:
+            key = RankKey(backend.name, 3)
+            store.report_upstream(key, False, "HTTP 503: DP rank 3 is not active.")
+            assert not store.healthy(key)
+            await wait_for(lambda: len(fake.pins) >= 2)  # probed, and probed again after probe_interval_s
+            assert not store.healthy(key) and set(fake.pins) == {(3, "3")}
+            fake.inactive_ranks = set()
+            await wait_for(lambda: store.healthy(key))
         finally:
             await rec.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -43,11 +44,16 @@ async def get_text(http: httpx.AsyncClient, url: str, timeout_s: float) -> str:
     return (await get(http, url, timeout_s)).text
 
 
-async def post_json(http: httpx.AsyncClient, url: str, body: Any, timeout_s: float) -> int:
+async def post_json(
+    http: httpx.AsyncClient, url: str, body: Any, timeout_s: float, headers: Mapping[str, str] | None = None
+) -> int:
     """POST a JSON body; returns the status code (callers decide what a failure means)."""
     try:
         resp = await http.post(
-            url, content=orjson.dumps(body), headers={"content-type": "application/json"}, timeout=timeout_s
+            url,
+            content=orjson.dumps(body),
+            headers={"content-type": "application/json", **(headers or {})},
+            timeout=timeout_s,
         )
     except httpx.TimeoutException:
         raise BackendError(f"POST {url}: no answer within {timeout_s:g} s") from None
