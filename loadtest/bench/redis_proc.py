@@ -6,7 +6,9 @@ survive. ``restart()`` reuses the port so clients reconnect to the same URL.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -53,12 +55,21 @@ class RedisServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.kill()  # abrupt on purpose: a crash, not a clean shutdown
+        proc.kill()  # abrupt on purpose: a crash, not a clean shutdown (SIGKILL also ends a paused one)
         proc.wait(timeout=READY_TIMEOUT_S)
 
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open but nothing answers, like a hung Redis."""
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGCONT)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -171,7 +171,7 @@ class RedisLedger:
                 return False
             self._pending_release.add(request_id)
             return True
-        return bool(released)
+        return bool(released)  # False also when Redis lost it (restart) before it was written back
 
     async def renew(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
@@ -327,15 +327,17 @@ class RedisLedger:
         """Write back capacities, owned reservations (all, or ``owned_ids``) and local ones, in one trip."""
         live = self._share.live_owned()
         args: list[str | int] = [self._ttl_ms, *self._cap_args(self._share.capacity_tokens)]
-        for rid in live if owned_ids is None else owned_ids:
-            held = live.get(rid)
-            if held is not None:
-                args += [rid, self._field(held.key), held.tokens, held.generated_tokens]
+        written = [rid for rid in (live if owned_ids is None else owned_ids) if rid in live]
+        for rid in written:
+            held = live[rid]
+            args += [rid, self._field(held.key), held.tokens, held.generated_tokens]
         migrating = self._share.local.held()
         for rid, r in migrating.items():
             args += [rid, self._field(r.key), r.tokens, r.generated_tokens]
         await self._eval(lua.RESYNC, args)
         self._needs_resync = False
+        # Released while the write was in flight (its RELEASE may have reached Redis first): release again.
+        self._pending_release.update(rid for rid in written if rid not in self._share.owned)
         for rid, r in migrating.items():
             if self._share.local.release_now(rid):
                 self._share.own(rid, r.key, r.tokens, r.generated_tokens)

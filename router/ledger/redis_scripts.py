@@ -106,10 +106,12 @@ redis.call('HSET', K_REC, id, record(tokens, generated, f))
 return 1
 """
 
-# ARGV: id... → how many of them were live and are now released.
+# ARGV: id... → how many of them were live and are now released (a dead lease counts as already gone).
 _RELEASE: Final[str] = """
-local n = 0
-for i = 1, #ARGV do n = n + reclaim(ARGV[i]) end
+local now, n = now_ms(), 0
+for i = 1, #ARGV do
+  if live(ARGV[i], now) then n = n + reclaim(ARGV[i]) end
+end
 return n
 """
 
