@@ -6,8 +6,13 @@ client-side semaphore whose wait is reported separately. A run stops by itself: 
 schedule and every request is bounded by ``timeout_s``.
 
 What the engine should generate is told the usual way: ``max_tokens`` as the scenario asks (or absent),
-``min_tokens`` = the real output length (vLLM and SGLang honour it; the emulator treats it as where its
-EOS falls), and ``ignore_eos`` when the two are equal, so real engines produce the exact length too.
+``min_tokens`` = the real output length (vLLM and SGLang honour it) and ``ignore_eos`` when the two are
+equal, so real engines produce the exact length too. The emulator reads the real length from the body
+field ``emulator_output_tokens`` (relayed by a router, unlike headers) and the header
+``X-Emulator-Output-Tokens``; real engines ignore both (``emulator_hints=False`` leaves them out).
+
+Chat prompts: the emulator (like a chat template) counts 4 tokens per message on top of its content, so
+the content is 4 tokens shorter than ``prompt_tokens`` and the engine sees exactly ``prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from loadtest.workload import RequestSpec, Scenario
 
 APIS = ("chat", "completions", "generate")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
+CHAT_MESSAGE_OVERHEAD_TOKENS = 4  # the emulator's per-message count, see loadtest/emulator/common.py
 
 
 @dataclass
@@ -49,6 +55,7 @@ class RunConfig:
     timeout_s: float = 600.0
     max_concurrency: int | None = None
     api_key: str | None = None
+    emulator_hints: bool = True
 
     def endpoint(self) -> str:
         base = self.url.rstrip("/")
@@ -64,14 +71,18 @@ class RunResult:
     interrupted: bool = False
 
 
-def build_body(spec: RequestSpec, scenario_seed: int, api: str, model: str) -> dict[str, Any]:
+def build_body(
+    spec: RequestSpec, scenario_seed: int, api: str, model: str, emulator_hints: bool = True
+) -> dict[str, Any]:
     """The request body for one spec on one API (chat, completions or SGLang-native generate)."""
     exact = spec.max_tokens is not None and spec.max_tokens == spec.output_tokens
+    hint = {"emulator_output_tokens": spec.output_tokens} if emulator_hints else {}
     if api == "generate":
         params: dict[str, Any] = {"min_new_tokens": spec.output_tokens, "ignore_eos": exact}
         if spec.max_tokens is not None:
             params["max_new_tokens"] = spec.max_tokens
-        return {"input_ids": spec.token_ids(scenario_seed), "sampling_params": params, "stream": True}
+        ids = spec.token_ids(scenario_seed)
+        return {"input_ids": ids, "sampling_params": params, "stream": True, **hint}
     body: dict[str, Any] = {
         "model": model,
         "stream": True,
@@ -79,14 +90,15 @@ def build_body(spec: RequestSpec, scenario_seed: int, api: str, model: str) -> d
         "min_tokens": spec.output_tokens,
         "ignore_eos": exact,
         "temperature": 0.0,
+        **hint,
     }
     if spec.max_tokens is not None:
         body["max_tokens"] = spec.max_tokens
-    prompt = spec.prompt(scenario_seed)
     if api == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
+        content = spec.prompt(scenario_seed, minus_tokens=CHAT_MESSAGE_OVERHEAD_TOKENS)
+        body["messages"] = [{"role": "user", "content": content}]
     else:
-        body["prompt"] = prompt
+        body["prompt"] = spec.prompt(scenario_seed)
     return body
 
 
@@ -162,8 +174,10 @@ async def send_one(
     session: aiohttp.ClientSession, cfg: RunConfig, model: str, spec: RequestSpec, seed: int, t0: float
 ) -> RequestOutcome:
     """Send one request and stream its answer; never raises (failures become outcomes)."""
-    body = orjson.dumps(build_body(spec, seed, cfg.api, model))
+    body = orjson.dumps(build_body(spec, seed, cfg.api, model, cfg.emulator_hints))
     headers = {"Content-Type": "application/json"}
+    if cfg.emulator_hints:
+        headers["X-Emulator-Output-Tokens"] = str(spec.output_tokens)
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     start = time.perf_counter()

@@ -107,10 +107,11 @@ class RequestSpec:
     def prompt_seed(self, scenario_seed: int) -> int:
         return (scenario_seed * 1_000_003 + self.index) & 0x7FFFFFFFFFFFFFFF
 
-    def prompt(self, scenario_seed: int) -> str:
-        """The synthetic prompt text (exactly ``prompt_tokens`` under the byte estimate)."""
+    def prompt(self, scenario_seed: int, minus_tokens: int = 0) -> str:
+        """The synthetic prompt text: exactly ``prompt_tokens - minus_tokens`` (at least 1) tokens under the
+        byte estimate; ``minus_tokens`` leaves room for what a chat template adds (the prefix is kept)."""
         return synthetic_prompt(
-            self.prompt_tokens,
+            max(1, self.prompt_tokens - minus_tokens),
             self.prompt_seed(scenario_seed),
             self.prefix_group,
             prefix_tokens=self.prefix_tokens,

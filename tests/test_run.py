@@ -39,8 +39,9 @@ def _prompt_tokens(body: dict[str, object]) -> int:
     if "input_ids" in body:
         return len(body["input_ids"])  # type: ignore[arg-type]
     messages = body.get("messages")
-    text = "".join(m["content"] for m in messages) if isinstance(messages, list) else str(body["prompt"])
-    return math.ceil(len(text.encode()) / 4)
+    if isinstance(messages, list):  # the emulator's rule: 4 tokens per message plus its content
+        return sum(4 + math.ceil(len(m["content"].encode()) / 4) for m in messages)
+    return math.ceil(len(str(body["prompt"]).encode()) / 4)
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:
@@ -51,7 +52,9 @@ async def _stream(request: web.Request) -> web.StreamResponse:
         )
     native = request.path == "/generate"
     params = body.get("sampling_params", {}) if native else body
-    n = int(params.get("min_new_tokens" if native else "min_tokens") or 4)
+    n = int(body["emulator_output_tokens"])
+    assert n == int(request.headers["X-Emulator-Output-Tokens"])
+    assert n == int(params.get("min_new_tokens" if native else "min_tokens"))
     prompt = _prompt_tokens(body)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
