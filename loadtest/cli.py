@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from loadtest import cmd_compare, cmd_run
+from loadtest.cmd_emulate import emulate
 
 app = typer.Typer(
     name="kvrouter-loadtest",
@@ -22,6 +23,7 @@ def _root() -> None:
 
 cmd_run.register(app)
 cmd_compare.register(app)
+app.command("emulate")(emulate)
 
 
 def main() -> None:

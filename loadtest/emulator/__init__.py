@@ -1,0 +1,1 @@
+"""SGLang- and vLLM-compatible HTTP servers around :mod:`loadtest.engine` (``kvrouter-loadtest emulate``)."""
