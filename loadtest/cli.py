@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from loadtest import cmd_compare, cmd_run
+from loadtest import cmd_compare, cmd_run, cmd_sim
 from loadtest.cmd_emulate import emulate
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ def _root() -> None:
 
 cmd_run.register(app)
 cmd_compare.register(app)
+cmd_sim.register(app)
 app.command("emulate")(emulate)
 
 

@@ -1,0 +1,205 @@
+"""The gateway's admission and placement in virtual time: what a real router knows, and nothing more.
+
+Per rank it keeps its own ledger (page-rounded reservations, in-flight count, prompts placed and not yet
+answered) and a copy of the engine's ``used_tokens`` refreshed only every ``telemetry_interval_s``, like a
+``/metrics`` scrape. ``context_tokens`` (KV the rank reads per step) is the sum of prompt + generated tokens
+of the requests that have started answering: the gateway counts those from the streams it relays, so the
+simulator reads them fresh from the engine, where the two are equal (they differ only after a preemption,
+which does not happen behind the router's reservations).
+
+Admission mirrors ``router.gateway.waitqueue``: requests that fit nowhere now wait in a bounded FIFO; only
+the head tries to place itself; a newcomer queues behind existing waiters; each waiter has a deadline.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from loadtest.engine_types import RankLoad
+from loadtest.workload import RequestSpec
+from router.placement.admission import Action, decide
+from router.placement.policies import Policy
+from router.placement.snapshot import RankKey, RankView, RequestShape, Snapshot
+
+ReserveMode = Literal["gateway", "max"]
+RESERVE_MODES: tuple[ReserveMode, ...] = ("gateway", "max")
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads request indices into policy entropy
+_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """``reserve_mode``: ``gateway`` reserves ``max_tokens`` or ``default_max_tokens`` when absent (the
+    gateway's default); ``max`` reserves the whole context window when absent (never under-reserves)."""
+
+    ranks: int
+    capacity_tokens: int
+    page_size: int
+    max_context_tokens: int
+    default_max_tokens: int = 512
+    reserve_mode: ReserveMode = "gateway"
+    queue_max: int = 256
+    queue_timeout_s: float = 30.0
+    telemetry_interval_s: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    spec: RequestSpec
+    rank: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    spec: RequestSpec
+    reason: str
+
+
+class SimRouter:
+    """Ledger arrays, the wait queue and the telemetry copy; the simulator loop feeds it engine events."""
+
+    def __init__(self, config: RouterConfig, policy: Policy) -> None:
+        self.config = config
+        self.policy = policy
+        n = config.ranks
+        self.reserved_tokens = [0] * n
+        self.inflight = [0] * n
+        self.prefill_tokens = [0] * n
+        self.prefill_requests = [0] * n
+        self.context_tokens = [0] * n
+        self.engine_used_tokens: list[int | None] = [None] * n
+        self.queue: deque[tuple[RequestSpec, RequestShape, float]] = deque()
+        self.next_scrape_s = 0.0
+        self.tick = 0
+        self._keys = tuple(RankKey("sim", i) for i in range(n))
+        self._held: dict[int, tuple[int, int, int]] = {}  # index -> (rank, tokens, prompt pending or 0)
+
+    # ---- sizing and snapshot -------------------------------------------------------------------------
+    def shape(self, spec: RequestSpec) -> RequestShape:
+        """Prompt and output reservation the way ``router.sizing`` clamps them to the context window."""
+        cfg = self.config
+        limit = spec.max_tokens
+        if limit is None:
+            limit = cfg.default_max_tokens if cfg.reserve_mode == "gateway" else cfg.max_context_tokens
+        room = max(1, cfg.max_context_tokens - spec.prompt_tokens)
+        return RequestShape(
+            prompt_tokens=spec.prompt_tokens,
+            output_tokens=min(limit, room),
+            prefix_hash=spec.prefix_group,
+            entropy=((spec.index + 1) * _MIX + self.config.seed) & _MASK,
+        )
+
+    def snapshot(self) -> Snapshot:
+        cfg = self.config
+        ranks = tuple(
+            RankView(
+                key=self._keys[i],
+                capacity_tokens=cfg.capacity_tokens,
+                page_size=cfg.page_size,
+                reserved_tokens=self.reserved_tokens[i],
+                inflight=self.inflight[i],
+                context_tokens=self.context_tokens[i],
+                prefill_tokens=self.prefill_tokens[i],
+                engine_used_tokens=self.engine_used_tokens[i],
+                prefill_requests=self.prefill_requests[i],
+            )
+            for i in range(cfg.ranks)
+        )
+        return Snapshot(ranks=ranks, tick=self.tick)
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def _try(self, spec: RequestSpec, shape: RequestShape) -> Placed | Refused | None:
+        """One decision: placed, refused for good, or None (no room now)."""
+        snap = self.snapshot()
+        self.tick += 1
+        d = decide(snap, shape, self.policy, max_context_tokens=self.config.max_context_tokens)
+        if d.action is Action.REJECT:
+            assert d.reason is not None
+            return Refused(spec, d.reason.value)
+        if d.action is Action.WAIT:
+            return None
+        rank = d.candidates[0]
+        tokens = shape.reserve_tokens(self.config.page_size)
+        self.reserved_tokens[rank] += tokens
+        self.inflight[rank] += 1
+        self.prefill_tokens[rank] += spec.prompt_tokens
+        self.prefill_requests[rank] += 1
+        self._held[spec.index] = (rank, tokens, spec.prompt_tokens)
+        return Placed(spec, rank, tokens)
+
+    def offer(self, spec: RequestSpec, now_s: float) -> Placed | Refused | None:
+        """A new arrival: placed now, refused, or queued (None)."""
+        shape = self.shape(spec)
+        if spec.prompt_tokens >= self.config.max_context_tokens:
+            return Refused(spec, "context_length")
+        if self.queue:  # FIFO: refuse what can never run, otherwise wait behind the others
+            out = decide(
+                self.snapshot(), shape, lambda _s, _r: [], max_context_tokens=self.config.max_context_tokens
+            )
+            if out.action is Action.REJECT:
+                assert out.reason is not None
+                return Refused(spec, out.reason.value)
+            return self._enqueue(spec, shape, now_s)
+        got = self._try(spec, shape)
+        return got if got is not None else self._enqueue(spec, shape, now_s)
+
+    def _enqueue(self, spec: RequestSpec, shape: RequestShape, now_s: float) -> Refused | None:
+        if len(self.queue) >= self.config.queue_max:
+            return Refused(spec, "queue_full")
+        self.queue.append((spec, shape, now_s + self.config.queue_timeout_s))
+        return None
+
+    def pump(self, now_s: float) -> list[Placed | Refused]:
+        """Expire waiters past their deadline, then place from the head while it fits."""
+        out: list[Placed | Refused] = []
+        while self.queue:
+            spec, shape, deadline_s = self.queue[0]
+            if now_s >= deadline_s:
+                self.queue.popleft()
+                out.append(Refused(spec, "queue_timeout"))
+                continue
+            got = self._try(spec, shape)
+            if got is None:
+                break
+            self.queue.popleft()
+            out.append(got)
+        return out
+
+    # ---- engine feedback -----------------------------------------------------------------------------
+    def first_token(self, index: int) -> None:
+        held = self._held.get(index)
+        if held is None or not held[2]:
+            return
+        rank, tokens, prompt = held
+        self.prefill_tokens[rank] -= prompt
+        self.prefill_requests[rank] -= 1
+        self._held[index] = (rank, tokens, 0)
+
+    def release(self, index: int) -> None:
+        """The request finished or failed: return its reservation (exactly once)."""
+        self.first_token(index)
+        held = self._held.pop(index, None)
+        if held is None:
+            return
+        rank, tokens, _ = held
+        self.reserved_tokens[rank] -= tokens
+        self.inflight[rank] -= 1
+
+    def observe(self, loads: list[RankLoad], now_s: float) -> None:
+        """After every step: fresh context counts; the engine's used tokens only when a scrape is due."""
+        for load in loads:
+            self.context_tokens[load.rank] = load.context_tokens
+        if now_s >= self.next_scrape_s:
+            self.engine_used_tokens = [load.used_tokens for load in loads]
+            self.next_scrape_s = now_s + self.config.telemetry_interval_s
+
+    @property
+    def held_requests(self) -> int:
+        return len(self._held)
+
+    def next_deadline_s(self) -> float | None:
+        return self.queue[0][2] if self.queue else None
