@@ -1,10 +1,12 @@
-"""Shared fixtures. ``redis_url``: one real redis-server per test session on a free loopback port."""
+"""Shared fixtures. ``redis_url``: one real redis-server per test session on a free loopback port.
+``start_emulator``: in-process emulated SGLang/vLLM servers (see tests/emulator_fixtures.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+from emulator_fixtures import start_emulator  # noqa: F401  (a fixture, re-exported for every test module)
 
 from loadtest.bench.redis_proc import RedisServer, redis_server_binary
 
