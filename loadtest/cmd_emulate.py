@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -14,6 +15,16 @@ from loadtest.emulator.outlen import OutputLenDist, OutputLenError
 from loadtest.engine_types import ENGINE_MODES, EngineConfigError
 
 Opt = typer.Option
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (uvicorn[standard] brings it): the emulator's HTTP side is CPU-bound."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def _fail(message: str) -> typer.Exit:
@@ -94,7 +105,8 @@ def emulate(
     from loadtest.emulator.host import serve_forever
 
     try:
-        crashed = asyncio.run(serve_forever(settings, log_level))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            crashed = runner.run(serve_forever(settings, log_level))
     except OSError as exc:
         raise _fail(str(exc)) from None
     if crashed:
