@@ -8,6 +8,7 @@ import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -15,8 +16,8 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 from loadtest.cli import app as cli_app
-from loadtest.run import RunConfig, run_scenario
-from loadtest.workload import parse_scenario
+from loadtest.run import RunConfig, RunResult, run_scenario
+from loadtest.workload import RequestSpec, parse_scenario
 
 SCENARIO = """\
 name: tiny
@@ -115,12 +116,31 @@ def stub_url() -> Iterator[str]:
     loop.close()
 
 
+@pytest.mark.parametrize(
+    ("engine", "api"), [("sglang", "chat"), ("sglang", "generate"), ("vllm", "completions")]
+)
+def test_live_run_against_emulator_zero_failures_exact_lengths(
+    start_emulator: Any, engine: str, api: str
+) -> None:
+    """The real emulator (SGLang or vLLM face, 2 ranks): every request completes with the asked lengths."""
+    emu = start_emulator(engine, dp_size=2, kv_tokens_per_rank=8192, served_model_name="emu-model")
+    sc = parse_scenario(SCENARIO, "tiny.yaml")
+    specs = {s.index: s for s in sc.generate()}
+    result = asyncio.run(run_scenario(sc, RunConfig(url=emu.url, api=api, timeout_s=20)))
+    _check_exact(result, specs)
+    assert result.model == "emu-model"
+
+
 @pytest.mark.parametrize("api", ["chat", "completions", "generate"])
 def test_live_run_zero_failures_and_exact_lengths(stub_url: str, api: str) -> None:
     sc = parse_scenario(SCENARIO, "tiny.yaml")
     specs = {s.index: s for s in sc.generate()}
     result = asyncio.run(run_scenario(sc, RunConfig(url=stub_url, api=api, timeout_s=20)))
     assert result.model == "stub-model"
+    _check_exact(result, specs)
+
+
+def _check_exact(result: RunResult, specs: dict[int, RequestSpec]) -> None:
     assert len(result.outcomes) == 40
     assert all(o.success for o in result.outcomes), [o.error for o in result.outcomes if not o.success]
     for o in result.outcomes:
