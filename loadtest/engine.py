@@ -11,9 +11,9 @@ heap, so a step costs O(ranks + events), not O(tokens).
 from __future__ import annotations
 
 import heapq
-from collections import deque
 
 from loadtest.engine_model import RankWork, StepModel
+from loadtest.engine_state import DECODE, PREFILL, WAITING, RankState, ReqState
 from loadtest.engine_types import (
     DuplicateRequest,
     EngineConfig,
@@ -43,86 +43,6 @@ __all__ = [
     "TokenEvent",
 ]
 
-_WAITING, _PREFILL, _DECODE = 0, 1, 2
-
-
-class _Req:
-    __slots__ = (
-        "clock_base",
-        "epoch",
-        "gen_base",
-        "max_output_tokens",
-        "pages",
-        "phase",
-        "prefill_target",
-        "prefilled",
-        "prompt_tokens",
-        "rank",
-        "rid",
-        "state",
-        "stop_reason",
-        "target_tokens",
-    )
-
-    def __init__(self, req: EngineRequest, rank: int, target_tokens: int, stop_reason: str) -> None:
-        self.rid = req.rid
-        self.prompt_tokens = req.prompt_tokens
-        self.max_output_tokens = req.max_output_tokens
-        self.target_tokens = target_tokens
-        self.stop_reason = stop_reason
-        self.rank = rank
-        self.state = _WAITING
-        self.prefill_target = req.prompt_tokens  # prompt + tokens generated before a preemption
-        self.prefilled = 0
-        self.pages = 0  # pages held while prefilling (decoders derive theirs from their length)
-        self.gen_base = 0  # generated tokens when the rank's decode clock read clock_base
-        self.clock_base = 0
-        self.phase = 0
-        self.epoch = 0  # bumped on leaving decode, invalidating stale finish-heap entries
-
-
-class _Rank:
-    __slots__ = (
-        "capacity_pages",
-        "clock",
-        "context_tokens",
-        "decoding",
-        "down",
-        "finish_heap",
-        "generation_tokens_total",
-        "index",
-        "phase_counts",
-        "preemptions",
-        "prefill_remaining_tokens",
-        "prefilling",
-        "prompt_tokens_total",
-        "running",
-        "slow_factor",
-        "used_pages",
-        "waiting",
-        "waiting_tokens",
-    )
-
-    def __init__(self, index: int, capacity_pages: int, page_size: int) -> None:
-        self.index = index
-        self.capacity_pages = capacity_pages
-        self.used_pages = 0
-        self.waiting: deque[_Req] = deque()
-        self.running: dict[str, _Req] = {}  # admission order: the last one is the newest
-        self.prefilling: list[_Req] = []
-        self.decoding: dict[str, _Req] = {}
-        self.clock = 0  # decode steps this rank has run
-        self.phase_counts = [0] * page_size  # decoders needing a new page when clock % page_size == i
-        self.finish_heap: list[tuple[int, int, int, _Req]] = []
-        self.context_tokens = 0  # sum of decoders' lengths (K_r)
-        self.waiting_tokens = 0
-        self.prefill_remaining_tokens = 0
-        self.preemptions = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.slow_factor = 1.0
-        self.down = False
-
 
 class Engine:
     """N lockstep DP ranks. Not thread-safe: drive it from one thread or event loop."""
@@ -133,8 +53,8 @@ class Engine:
         self.step_model: StepModel = config.step
         self._ps = config.page_size
         pages = config.capacity_pages_per_rank
-        self._ranks = [_Rank(i, pages, config.page_size) for i in range(config.dp_size)]
-        self._reqs: dict[str, _Req] = {}
+        self._ranks = [RankState(i, pages, config.page_size) for i in range(config.dp_size)]
+        self._reqs: dict[str, ReqState] = {}
         self._rr = 0
         self._lb_start = 0
         self._seq = 0
@@ -173,7 +93,7 @@ class Engine:
             target = min(own, target)
         target = max(1, min(target, limit - request.prompt_tokens))
         reason = "stop" if own is not None and not request.ignore_eos and target == own else "length"
-        req = _Req(request, rank, target, reason)
+        req = ReqState(request, rank, target, reason)
         self._reqs[request.rid] = req
         r.waiting.append(req)
         r.waiting_tokens += req.prefill_target
@@ -211,7 +131,7 @@ class Engine:
         if req is None:
             return False
         r = self._ranks[req.rank]
-        if req.state == _WAITING:
+        if req.state == WAITING:
             r.waiting.remove(req)
             r.waiting_tokens -= req.prefill_target
             r.prefill_remaining_tokens -= req.prefill_target
@@ -270,8 +190,8 @@ class Engine:
             for r in self._ranks
         ]
 
-    def _generated(self, r: _Rank, req: _Req) -> int:
-        if req.state == _DECODE:
+    def _generated(self, r: RankState, req: ReqState) -> int:
+        if req.state == DECODE:
             return req.gen_base + r.clock - req.clock_base
         return req.gen_base
 
@@ -290,7 +210,7 @@ class Engine:
         self.steps += 1
         return StepResult(duration_s, events, tuple(preempted))
 
-    def _step_rank(self, r: _Rank, events: list[TokenEvent], preempted: list[str]) -> RankWork:
+    def _step_rank(self, r: RankState, events: list[TokenEvent], preempted: list[str]) -> RankWork:
         cfg = self.config
         if r.down or (not r.running and not r.waiting):
             return RankWork(slow_factor=r.slow_factor)
@@ -317,7 +237,7 @@ class Engine:
                 self._finish_prefill(r, req, events)
         return RankWork(b, k, p_tokens, pos_sum, r.slow_factor)
 
-    def _has_prefill_work(self, r: _Rank) -> bool:
+    def _has_prefill_work(self, r: RankState) -> bool:
         if r.prefilling:
             return True
         if not r.waiting or len(r.running) >= self.config.max_running_per_rank:
@@ -327,7 +247,7 @@ class Engine:
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self._ps)
 
-    def _make_room(self, r: _Rank, preempted: list[str]) -> int:
+    def _make_room(self, r: RankState, preempted: list[str]) -> int:
         """Preempt the newest running requests until this step's decode page growth fits."""
         ps = self._ps
         crossing = r.phase_counts[r.clock % ps]
@@ -338,11 +258,11 @@ class Engine:
             crossing = r.phase_counts[r.clock % ps]
         return crossing
 
-    def _preempt(self, r: _Rank, req: _Req) -> None:
+    def _preempt(self, r: RankState, req: ReqState) -> None:
         """SGLang retract / vLLM recompute: free the KV; the request prefills prompt + output again."""
         gen = self._generated(r, req)
         self._leave_running(r, req)
-        req.state = _WAITING
+        req.state = WAITING
         req.gen_base = gen
         req.prefill_target = req.prompt_tokens + gen
         req.prefilled = 0
@@ -352,8 +272,8 @@ class Engine:
         r.preemptions += 1
         self.preemptions_total += 1
 
-    def _leave_running(self, r: _Rank, req: _Req) -> None:
-        if req.state == _DECODE:
+    def _leave_running(self, r: RankState, req: ReqState) -> None:
+        if req.state == DECODE:
             length = req.prompt_tokens + self._generated(r, req)
             r.used_pages -= self._pages(length)
             r.context_tokens -= length
@@ -367,9 +287,9 @@ class Engine:
             r.prefill_remaining_tokens -= req.prefill_target - req.prefilled
         del r.running[req.rid]
 
-    def _schedule_prefill(self, r: _Rank, budget: int, reserved_pages: int) -> list[tuple[_Req, int]]:
+    def _schedule_prefill(self, r: RankState, budget: int, reserved_pages: int) -> list[tuple[ReqState, int]]:
         """Chunks for this step: continue partial prefills, then admit the FIFO head while its pages fit."""
-        chunks: list[tuple[_Req, int]] = []
+        chunks: list[tuple[ReqState, int]] = []
         for req in r.prefilling:
             if budget <= 0:
                 return chunks
@@ -386,7 +306,7 @@ class Engine:
             r.waiting_tokens -= req.prefill_target
             r.used_pages += pages
             req.pages = pages
-            req.state = _PREFILL
+            req.state = PREFILL
             r.prefilling.append(req)
             r.running[req.rid] = req
             chunk = min(budget, req.prefill_target)
@@ -394,7 +314,7 @@ class Engine:
             budget -= chunk
         return chunks
 
-    def _advance_decode(self, r: _Rank, crossing: int, events: list[TokenEvent]) -> None:
+    def _advance_decode(self, r: RankState, crossing: int, events: list[TokenEvent]) -> None:
         b = len(r.decoding)
         r.used_pages += crossing
         r.context_tokens += b
@@ -402,10 +322,10 @@ class Engine:
         r.clock += 1
         clock = r.clock
         heap = r.finish_heap
-        done: list[_Req] = []
+        done: list[ReqState] = []
         while heap and heap[0][0] <= clock:
             _, _, epoch, req = heapq.heappop(heap)
-            if req.epoch == epoch and req.state == _DECODE:
+            if req.epoch == epoch and req.state == DECODE:
                 done.append(req)
         finals = [TokenEvent(q.rid, r.index, 1, q.target_tokens, False, True, q.stop_reason) for q in done]
         for q in done:
@@ -418,7 +338,7 @@ class Engine:
             )
         events.extend(finals)
 
-    def _finish_prefill(self, r: _Rank, req: _Req, events: list[TokenEvent]) -> None:
+    def _finish_prefill(self, r: RankState, req: ReqState, events: list[TokenEvent]) -> None:
         """The last chunk's forward pass yields the next token; the request then decodes from next step."""
         first = req.gen_base == 0
         gen = req.gen_base + 1
@@ -435,7 +355,7 @@ class Engine:
             return
         length = req.prompt_tokens + gen  # == prefill_target + 1: exactly the pages reserved at admission
         req.pages = 0
-        req.state = _DECODE
+        req.state = DECODE
         req.gen_base = gen
         req.clock_base = r.clock
         req.phase = (r.clock - length) % self._ps
