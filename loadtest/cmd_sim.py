@@ -62,7 +62,7 @@ def _policies(text: str) -> list[str]:
 def _table(scenario: str, results: dict[str, dict[str, Any]]) -> Table:
     t = Table(title=f"sim: {scenario}", title_justify="left")
     cols = ["policy", "done", "rejected", "goodput r/s", "out tok/s", "p50 TTFT s", "p99 TTFT s"]
-    cols += ["p50 TPOT ms", "p99 ITL ms", "preempt", "imbalance", "max-rank ctx", "wall s"]
+    cols += ["p50 TPOT ms", "p99 ITL ms", "preempt", "imbalance", "max ctx", "wall s"]
     for c in cols:
         t.add_column(c, justify="left" if c == "policy" else "right", no_wrap=True)
     for name, r in results.items():

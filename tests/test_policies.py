@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.placement import DEFAULT_POLICY, POLICY_NAMES, UnknownPolicy, get_policy
-from router.placement.lockstep import DEFAULT_PREFILL_WEIGHT, Lockstep, step_load
+from router.placement.lockstep import DEFAULT_PREFILL_WEIGHT, Lockstep, request_load, step_load
 from router.placement.snapshot import RankKey, RankView, RequestShape, Snapshot
 
 
@@ -64,26 +64,31 @@ def test_every_policy_returns_only_fitting_usable_ranks_once(
     assert policy(snapshot, request) == out  # deterministic for equal inputs
 
 
-def _max_after(snapshot: Snapshot, request: RequestShape, chosen: int, weight: float) -> float:
-    loads = [step_load(r, weight) for r in snapshot.ranks]
-    loads[chosen] += request.prompt_tokens * (1.0 + weight)
+def _max_after(snapshot: Snapshot, request: RequestShape, chosen: int, weight: float, attn: float) -> float:
+    loads = [step_load(r, weight, attn) for r in snapshot.ranks]
+    loads[chosen] += request_load(request, weight, attn)
     return max(loads)
 
 
 @settings(max_examples=200, deadline=None)
-@given(snapshot=snapshots(backends=1), request=requests, weight=st.sampled_from([0.0, 1.0, 1767.0]))
+@given(
+    snapshot=snapshots(backends=1),
+    request=requests,
+    weight=st.sampled_from([0.0, 1.0, 1767.0]),
+    attn=st.sampled_from([0.0, 0.39]),
+)
 def test_lockstep_keeps_the_maximum_rank_load_lowest(
-    snapshot: Snapshot, request: RequestShape, weight: float
+    snapshot: Snapshot, request: RequestShape, weight: float, attn: float
 ) -> None:
-    out = Lockstep(prefill_weight=weight)(snapshot, request)
+    out = Lockstep(prefill_weight=weight, prefill_attn_weight=attn)(snapshot, request)
     if not out:
         return
-    own = request.prompt_tokens * (1.0 + weight)
-    best = _max_after(snapshot, request, out[0], weight)
+    own = request_load(request, weight, attn)
+    best = _max_after(snapshot, request, out[0], weight, attn)
     for other in out[1:]:
-        assert best <= _max_after(snapshot, request, other, weight) + own
+        assert best <= _max_after(snapshot, request, other, weight, attn) + own
         # Exact minimisation, in fact: the slack the contract allows is not needed.
-        assert best <= _max_after(snapshot, request, other, weight)
+        assert best <= _max_after(snapshot, request, other, weight, attn)
 
 
 @settings(max_examples=100, deadline=None)
@@ -131,7 +136,8 @@ def test_lockstep_groups_ranks_by_backend() -> None:
         RankView(RankKey("a", 1), 100_000, context_tokens=0),
         RankView(RankKey("b", 0), 100_000, context_tokens=5_000),
     )
-    out = Lockstep(prefill_weight=0.0)(Snapshot(ranks), RequestShape(prompt_tokens=1_000, output_tokens=0))
+    policy = Lockstep(prefill_weight=0.0, prefill_attn_weight=0.0)
+    out = policy(Snapshot(ranks), RequestShape(prompt_tokens=1_000, output_tokens=0))
     assert out == [1, 2, 0]  # a0 would raise a's maximum by the whole request
 
 
@@ -177,6 +183,7 @@ def test_registry_names_and_errors() -> None:
     )
     assert get_policy("Round-Robin") is get_policy("round_robin")
     assert get_policy("lockstep", prefill_weight=10.0) == Lockstep(10.0)
+    assert get_policy("lockstep", prefill_attn_weight=0.0).prefill_attn_weight == 0.0  # type: ignore[attr-defined]
     with pytest.raises(UnknownPolicy, match="unknown policy 'nope'"):
         get_policy("nope")
     with pytest.raises(UnknownPolicy, match="does not take"):
@@ -192,3 +199,17 @@ def test_cache_aware_sticks_to_prefix_until_imbalanced() -> None:
     assert policy(balanced, req)[0] == 2
     skewed = Snapshot(_ranks({"inflight": 1}, {"inflight": 1}, {"inflight": 200}, {"inflight": 2}))
     assert policy(skewed, req)[0] in (0, 1)
+
+
+def test_lockstep_counts_long_prompts_quadratically() -> None:
+    # Rank 0 waits on one 40k prompt, rank 1 on twenty 3k prompts (60k tokens): a short request queues
+    # behind ~40k x (50 us + 11.1 ns x 20k) ~ 11 s of prefill on rank 0 but ~4 s on rank 1.
+    snap = Snapshot(
+        _ranks(
+            {"prefill_tokens": 40_000, "prefill_requests": 1},
+            {"prefill_tokens": 60_000, "prefill_requests": 20},
+        )
+    )
+    req = RequestShape(prompt_tokens=500, output_tokens=100)
+    assert get_policy("lockstep")(snap, req)[0] == 1
+    assert get_policy("lockstep", prefill_attn_weight=0.0)(snap, req)[0] == 0

@@ -12,13 +12,18 @@ backend), then by the rank's own resulting load, then by free tokens. Within one
 resulting maximum"; across backends (which do not step together) it prefers filling a rank that sits below
 its group's slowest rank, which costs no step time, over slowing another group.
 
-Why ``prefill_weight`` ≈ 1,767 (calibration.md §2.2-2.3, 8×H200, DeepSeek-V3, DP8+EP8):
+Weights (calibration.md §2.2-2.3, 8×H200, DeepSeek-V3, DP8+EP8), in cached-token equivalents:
 a cached token costs ``t_attn`` = 28.3 ns per decode step (MLA decode is compute-bound); a prompt token
-being prefilled costs 50 µs on its own rank (``t_prefill_local``) plus 48 µs on the node
-(``t_prefill_shared``, paid by the whole group wherever the prompt lands, so placement cannot change it).
-One pending prompt token thus weighs 50 µs / 28.3 ns ≈ 1,767 cached tokens. In practice this makes the
-policy balance pending prefill first (one rank's 1,024-token chunk adds ~100 ms to every rank's step, the
-T4 effect) and spread long contexts when prefills are equal.
+being prefilled at position ``pos`` costs ``50 µs + 11.1 ns × pos`` on its own rank (``t_prefill_local``)
+plus 48 µs on the node (``t_prefill_shared``, paid by the whole group wherever the prompt lands, so
+placement cannot change it). So ``prefill_weight`` = 50 µs / 28.3 ns ≈ 1,767 per pending prompt token and
+``prefill_attn_weight`` = 11.1 / 28.3 ≈ 0.39 per token-position: a prompt of P tokens costs
+``1,767 P + 0.39 P²/2``. The quadratic part dominates past ~9k tokens (a 128k prompt is ~100 s of ~0.9 s
+steps for every rank), so a short request must not queue behind a long prefill on its rank. The snapshot
+carries only the sum of pending prompt tokens and their count, so Σ P² is estimated as
+``prefill_tokens² / prefill_requests`` (exact when the pending prompts are equal, low otherwise).
+In practice the policy balances pending prefill work first (one rank's 1,024-token chunk adds ~100 ms to
+every rank's step, the T4 effect) and spreads long contexts when prefills are equal.
 """
 
 from __future__ import annotations
@@ -31,12 +36,25 @@ from router.placement.snapshot import RankView, RequestShape, Snapshot
 
 ATTN_NS_PER_CACHED_TOKEN: Final[float] = 28.3
 PREFILL_LOCAL_NS_PER_TOKEN: Final[float] = 50_000.0
+PREFILL_ATTN_NS_PER_TOKEN_POS: Final[float] = 11.1
 DEFAULT_PREFILL_WEIGHT: Final[float] = PREFILL_LOCAL_NS_PER_TOKEN / ATTN_NS_PER_CACHED_TOKEN
+DEFAULT_PREFILL_ATTN_WEIGHT: Final[float] = PREFILL_ATTN_NS_PER_TOKEN_POS / ATTN_NS_PER_CACHED_TOKEN
 
 
-def step_load(rank: RankView, prefill_weight: float) -> float:
-    """Cached-token equivalents this rank adds to every lockstep step now."""
-    return rank.context_tokens + prefill_weight * rank.prefill_tokens
+def step_load(rank: RankView, prefill_weight: float, prefill_attn_weight: float = 0.0) -> float:
+    """Cached-token equivalents of the work this rank adds to the lockstep: KV read per step plus the
+    pending prefill (linear and position-dependent parts)."""
+    load = rank.context_tokens + prefill_weight * rank.prefill_tokens
+    if prefill_attn_weight and rank.prefill_tokens:
+        sum_sq = rank.prefill_tokens * rank.prefill_tokens / max(1, rank.prefill_requests)
+        load += prefill_attn_weight * sum_sq / 2.0
+    return load
+
+
+def request_load(request: RequestShape, prefill_weight: float, prefill_attn_weight: float = 0.0) -> float:
+    """What placing ``request`` adds to a rank's :func:`step_load` (the same on every rank)."""
+    p = request.prompt_tokens
+    return p * (1.0 + prefill_weight) + prefill_attn_weight * p * p / 2.0
 
 
 def _group_top_two(snapshot: Snapshot, loads: list[float]) -> dict[str, tuple[int, float, float]]:
@@ -62,18 +80,21 @@ class Lockstep:
     """Minimise the rise of the group's maximum step load (see the module docstring)."""
 
     prefill_weight: float = DEFAULT_PREFILL_WEIGHT
+    prefill_attn_weight: float = DEFAULT_PREFILL_ATTN_WEIGHT
 
     def __post_init__(self) -> None:
-        if not self.prefill_weight >= 0.0:
-            raise ValueError(f"prefill_weight must be >= 0, got {self.prefill_weight}")
+        for name in ("prefill_weight", "prefill_attn_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= 0.0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
     def __call__(self, snapshot: Snapshot, request: RequestShape) -> list[int]:
         fit = feasible(snapshot, request)
         if len(fit) <= 1:
             return fit
-        loads = [step_load(r, self.prefill_weight) for r in snapshot.ranks]
+        loads = [step_load(r, self.prefill_weight, self.prefill_attn_weight) for r in snapshot.ranks]
         top = _group_top_two(snapshot, loads)
-        added = request.prompt_tokens * (1.0 + self.prefill_weight)
+        added = request_load(request, self.prefill_weight, self.prefill_attn_weight)
 
         def key(i: int) -> tuple[float, float, int, int]:
             idx, first, second = top[snapshot.ranks[i].key.backend]
