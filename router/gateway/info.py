@@ -86,7 +86,7 @@ async def ranks(request: Request) -> Response:
                 ],
             }
         )
-    return _json({"backends": out, "queue_depth": gw.queue.depth})
+    return _json({"backends": out})
 
 
 @router.get("/metrics")

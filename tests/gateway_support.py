@@ -1,0 +1,73 @@
+"""Helpers for the gateway tests: the router in-process under uvicorn on a free port, an emulator beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+
+from loadtest.emulator.app import EmulatorSettings
+from loadtest.emulator.host import EmulatorThread
+from router.config import Settings
+from router.gateway import create_app
+
+MODEL = "deepseek-ai/DeepSeek-V3"
+
+
+@contextlib.contextmanager
+def emulator(**kw: Any) -> Iterator[EmulatorThread]:
+    settings = EmulatorSettings(**{"engine": "sglang", "dp_size": 4, "port": 0, "time_scale": 0.0, **kw})
+    with EmulatorThread(settings) as emu:
+        yield emu
+
+
+@contextlib.asynccontextmanager
+async def router(ready: bool = True, **kw: Any) -> AsyncIterator[str]:
+    """A gateway on 127.0.0.1:<free port>; waits for /ready unless ``ready`` is False."""
+    settings = Settings(**{"port": 0, "reconcile_interval_s": 0.1, **kw})
+    config = uvicorn.Config(
+        create_app(settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on", loop="asyncio"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("router exited during startup")
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        if ready:
+            async with httpx.AsyncClient() as http:
+                for _ in range(500):
+                    if (await http.get(url + "/ready")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise RuntimeError("router never became ready")
+        yield url
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def get_json(url: str, **kw: Any) -> Any:
+    async with httpx.AsyncClient() as http:
+        resp = await http.get(url, **kw)
+        return resp.json()
+
+
+async def ranks_settled(url: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """/ranks rows once every rank is back to zero reserved and zero in flight (or the last seen)."""
+    rows: list[dict[str, Any]] = []
+    for _ in range(int(timeout_s / 0.02)):
+        body = await get_json(url + "/ranks")
+        rows = [r for b in body["backends"] for r in b["ranks"]]
+        if all(r["reserved_tokens"] == 0 and r["inflight"] == 0 for r in rows):
+            return rows
+        await asyncio.sleep(0.02)
+    return rows
