@@ -1,4 +1,4 @@
-"""Helpers for the gateway tests: the router in-process under uvicorn on a free port, an emulator beside it."""
+"""Gateway test helpers: the router in-process under uvicorn on a free port, an emulator beside it."""
 
 from __future__ import annotations
 
