@@ -70,7 +70,7 @@ def _max_after(snapshot: Snapshot, request: RequestShape, chosen: int, weight: f
     return max(loads)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     snapshot=snapshots(backends=1),
     request=requests,
@@ -91,7 +91,7 @@ def test_lockstep_keeps_the_maximum_rank_load_lowest(
         assert best <= _max_after(snapshot, request, other, weight, attn)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(snapshot=snapshots(), request=requests)
 def test_round_robin_visits_every_feasible_rank(snapshot: Snapshot, request: RequestShape) -> None:
     policy = get_policy("round_robin")
