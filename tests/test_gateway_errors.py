@@ -76,15 +76,14 @@ async def test_api_keys() -> None:
             router(backends=[f"sglang={emu.url}"], api_keys=["k1", "k2"]) as url,
             httpx.AsyncClient(base_url=url) as http,
         ):
-            if True:
-                body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-                assert_error(await http.post("/v1/completions", json=body), 401, "invalid_api_key")
-                bad = {"Authorization": "Bearer k3"}
-                assert_error(await http.post("/v1/completions", json=body, headers=bad), 401)
-                assert_error(await http.get("/v1/models"), 401)
-                ok = await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
-                assert ok.status_code == 200
-                assert (await http.get("/health")).status_code == 200
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+            assert_error(await http.post("/v1/completions", json=body), 401, "invalid_api_key")
+            bad = {"Authorization": "Bearer k3"}
+            assert_error(await http.post("/v1/completions", json=body, headers=bad), 401)
+            assert_error(await http.get("/v1/models"), 401)
+            ok = await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
+            assert ok.status_code == 200
+            assert (await http.get("/health")).status_code == 200
 
 
 async def test_queue_full_429_and_deadline_503_while_a_stream_holds_the_pool() -> None:
