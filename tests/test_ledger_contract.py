@@ -47,7 +47,10 @@ class Harness:
 
             assert self.redis_url is not None
             ns = f"t{random.getrandbits(48):x}"
-            ledger = RedisLedger.from_url(self.redis_url, namespace=ns, lease_ttl_s=lease_ttl_s)
+            # Generous timeout: the contract is not about timeouts, and loaded CI machines stall.
+            ledger = RedisLedger.from_url(
+                self.redis_url, namespace=ns, lease_ttl_s=lease_ttl_s, socket_timeout_s=2.0
+            )
         self.built.append(ledger)
         return ledger
 

@@ -22,7 +22,18 @@ DEFAULT_LEASE_TTL_S = 30.0
 
 
 @dataclass(slots=True)
+class _Rank:
+    """One rank's totals: one dict lookup per rank and call (hashing RankKey is the hot cost)."""
+
+    capacity_tokens: int
+    reserved_tokens: int = 0
+    inflight: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass(slots=True)
 class _Held:
+    rank: _Rank
     key: RankKey
     tokens: int
     generated_tokens: int = 0
@@ -57,10 +68,7 @@ class InMemoryLedger:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
-        self._capacity_tokens: dict[RankKey, int] = {}
-        self._reserved_tokens: dict[RankKey, int] = {}
-        self._inflight: dict[RankKey, int] = {}
-        self._generated_tokens: dict[RankKey, int] = {}
+        self._ranks: dict[RankKey, _Rank] = {}
         self._held: dict[str, _Held] = {}
         self._lease_expiry_s: dict[str, float] = {}
 
@@ -70,10 +78,11 @@ class InMemoryLedger:
     def register_now(self, capacities: Mapping[RankKey, int]) -> None:
         check_capacities(capacities)
         for key, capacity_tokens in capacities.items():
-            self._capacity_tokens[key] = capacity_tokens
-            self._reserved_tokens.setdefault(key, 0)
-            self._inflight.setdefault(key, 0)
-            self._generated_tokens.setdefault(key, 0)
+            rank = self._ranks.get(key)
+            if rank is None:
+                self._ranks[key] = _Rank(capacity_tokens)
+            else:
+                rank.capacity_tokens = capacity_tokens
 
     async def reserve(self, request_id: str, candidates: Sequence[RankKey], tokens: int) -> RankKey | None:
         return self.reserve_now(request_id, candidates, tokens)
@@ -84,15 +93,15 @@ class InMemoryLedger:
         now_s = self._expire_due()
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} already holds a reservation")
-        capacity = self._capacity_tokens
-        for key in candidates:
-            if key not in capacity:
-                raise ValueError(f"unknown rank {key} (not registered)")
-        for key in candidates:
-            if self._reserved_tokens[key] + tokens <= capacity[key]:
-                self._reserved_tokens[key] += tokens
-                self._inflight[key] += 1
-                self._held[request_id] = _Held(key, tokens)
+        try:
+            ranks = [self._ranks[key] for key in candidates]
+        except KeyError as exc:
+            raise ValueError(f"unknown rank {exc.args[0]} (not registered)") from None
+        for key, rank in zip(candidates, ranks, strict=True):
+            if rank.reserved_tokens + tokens <= rank.capacity_tokens:
+                rank.reserved_tokens += tokens
+                rank.inflight += 1
+                self._held[request_id] = _Held(rank, key, tokens)
                 self._lease_expiry_s[request_id] = now_s + self.lease_ttl_s
                 return key
         return None
@@ -103,10 +112,10 @@ class InMemoryLedger:
         held = self._held.get(request_id)
         if held is None:
             return False
-        if self._reserved_tokens[held.key] + tokens > self._capacity_tokens[held.key]:
+        if held.rank.reserved_tokens + tokens > held.rank.capacity_tokens:
             return False
         held.tokens += tokens
-        self._reserved_tokens[held.key] += tokens
+        held.rank.reserved_tokens += tokens
         return True
 
     async def shrink(self, request_id: str, tokens: int) -> bool:
@@ -118,7 +127,7 @@ class InMemoryLedger:
             return False
         given_back_tokens = min(tokens, held.tokens)
         held.tokens -= given_back_tokens
-        self._reserved_tokens[held.key] -= given_back_tokens
+        held.rank.reserved_tokens -= given_back_tokens
         return True
 
     async def add_generated(self, request_id: str, tokens: int) -> None:
@@ -127,7 +136,7 @@ class InMemoryLedger:
         held = self._held.get(request_id)
         if held is not None:
             held.generated_tokens += tokens
-            self._generated_tokens[held.key] += tokens
+            held.rank.generated_tokens += tokens
 
     async def release(self, request_id: str) -> bool:
         self._expire_due()
@@ -138,9 +147,9 @@ class InMemoryLedger:
         if held is None:
             return False
         self._lease_expiry_s.pop(request_id, None)
-        self._reserved_tokens[held.key] -= held.tokens
-        self._inflight[held.key] -= 1
-        self._generated_tokens[held.key] -= held.generated_tokens
+        held.rank.reserved_tokens -= held.tokens
+        held.rank.inflight -= 1
+        held.rank.generated_tokens -= held.generated_tokens
         return True
 
     async def renew(self, request_ids: Iterable[str]) -> None:
@@ -169,13 +178,8 @@ class InMemoryLedger:
 
     def usage_now(self) -> dict[RankKey, RankUsage]:
         return {
-            key: RankUsage(
-                capacity_tokens=capacity_tokens,
-                reserved_tokens=self._reserved_tokens[key],
-                inflight=self._inflight[key],
-                generated_tokens=self._generated_tokens[key],
-            )
-            for key, capacity_tokens in self._capacity_tokens.items()
+            key: RankUsage(r.capacity_tokens, r.reserved_tokens, r.inflight, r.generated_tokens)
+            for key, r in self._ranks.items()
         }
 
     def holds(self, request_id: str) -> bool:

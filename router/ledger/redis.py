@@ -92,16 +92,22 @@ class RedisLedger:
         failure_mode: str = "fail_closed",
         replicas: int = 1,
         socket_timeout_s: float = 0.25,
+        connect_timeout_s: float = 1.0,
         retry_after_s: float = 1.0,
         max_connections: int = 64,
     ) -> RedisLedger:
-        """Client with a bounded pool, a timeout on every call and no client-side retries (we fail over)."""
+        """Client with a bounded pool, a timeout on every call and no client-side retries (we fail over).
+
+        ``socket_timeout_s`` bounds every command; opening a connection (TCP + HELLO, a burst may open many
+        at once) and waiting for a free one in the pool get ``connect_timeout_s`` (at least the former).
+        """
+        connect_timeout_s = max(connect_timeout_s, socket_timeout_s)
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
-            timeout=socket_timeout_s,
+            timeout=connect_timeout_s,
             socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
@@ -365,8 +371,9 @@ class RedisLedger:
             key = self._keys_by_field[field] = RankKey(backend, int(rank))
         return key
 
-    def _parse_usage(self, raw: list[list[str]]) -> dict[RankKey, RankUsage]:
-        cap, res, inf, gen = ({flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)} for flat in raw)
-        return {
-            self._key(f): RankUsage(c, res.get(f, 0), inf.get(f, 0), gen.get(f, 0)) for f, c in cap.items()
-        }
+    def _parse_usage(self, raw: str) -> dict[RankKey, RankUsage]:
+        usage: dict[RankKey, RankUsage] = {}
+        for row in raw.split("\x1e") if raw else ():
+            cap, res, inf, gen, field = row.split("\x1f", 4)
+            usage[self._key(field)] = RankUsage(int(cap), int(res), int(inf), int(gen))
+        return usage

@@ -144,11 +144,18 @@ if not v then return nil end
 return v
 """
 
-# ARGV: expire_limit → {cap, res, inf, gen} as flat HGETALL lists.
+# ARGV: expire_limit → one string, a row per registered rank: "cap US res US inf US gen US rank" joined
+# by RS (ASCII 31 / 30). One bulk string parses in one step client-side, unlike 4 × 2 × ranks replies.
 _USAGE: Final[str] = """
 expire_due(now_ms(), tonumber(ARGV[1]))
-return {redis.call('HGETALL', K_CAP), redis.call('HGETALL', K_RES),
-        redis.call('HGETALL', K_INF), redis.call('HGETALL', K_GEN)}
+local cap = redis.call('HGETALL', K_CAP)
+local rows = {}
+for i = 1, #cap, 2 do
+  local f = cap[i]
+  rows[#rows + 1] = table.concat({cap[i + 1], redis.call('HGET', K_RES, f) or '0',
+    redis.call('HGET', K_INF, f) or '0', redis.call('HGET', K_GEN, f) or '0', f}, '\\31')
+end
+return table.concat(rows, '\\30')
 """
 
 # ARGV: ttl_ms, n_caps, (field, capacity) × n_caps, (id, field, tokens, generated)... → records adopted.
