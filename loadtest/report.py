@@ -66,8 +66,10 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_occupancy(results: Mapping[str, Mapping[str, Any]], path: Path) -> bool:
-    """Per-rank KV tokens in use over time, one panel per policy."""
+def plot_occupancy(
+    results: Mapping[str, Mapping[str, Any]], path: Path, capacity_tokens: float | None = None
+) -> bool:
+    """Per-rank KV tokens in use over time, one panel per policy; dashed: the per-rank pool."""
     series = {k: r["timeseries"] for k, r in results.items() if r.get("timeseries", {}).get("t_s")}
     if not series:
         return False
@@ -83,7 +85,7 @@ def plot_occupancy(results: Mapping[str, Mapping[str, Any]], path: Path) -> bool
         if used.ndim == 2:
             for rank in range(used.shape[1]):
                 ax.plot(t, used[:, rank] / 1e3, lw=0.8)
-        cap = ts.get("capacity_tokens")
+        cap = ts.get("capacity_tokens") or capacity_tokens
         if cap:
             ax.axhline(float(np.max(cap)) / 1e3, color="k", ls="--", lw=0.8)
         ax.set_title(name, fontsize=9)
@@ -175,6 +177,7 @@ def write_report(doc: Mapping[str, Any], out_dir: Path, notes: str = "") -> Path
     name = scenario if isinstance(scenario, str) else scenario.get("name", "?")
     lines = [f"# Policy comparison: {name}", ""]
     cfg = doc.get("config")
+    capacity = cfg.get("kv_tokens_per_rank") if isinstance(cfg, dict) else None
     if cfg:
         lines += ["Setup: " + ", ".join(f"{k}={v}" for k, v in cfg.items()), ""]
     if notes:
@@ -190,7 +193,7 @@ def write_report(doc: Mapping[str, Any], out_dir: Path, notes: str = "") -> Path
         (
             "occupancy.png",
             "Per-rank KV occupancy over time",
-            plot_occupancy(results, out_dir / "occupancy.png"),
+            plot_occupancy(results, out_dir / "occupancy.png", capacity),
         ),
         ("ttft_cdf.png", "TTFT CDF", plot_ttft_cdf(results, out_dir / "ttft_cdf.png")),
         (
