@@ -92,6 +92,7 @@ class FakeSGLang(FakeEngine):
     aborted: list[str] = field(default_factory=list)
     inactive_ranks: set[int] = field(default_factory=set)  # pinned completions get 503 "not active"
     pins: list[tuple[int | None, str | None]] = field(default_factory=list)  # (body rank, header) seen
+    attn_dp_size_field: bool = False  # SGLang 0.5.23 --attn-dp-size: reports dp_size 1, attn_dp_size N
 
     def __post_init__(self) -> None:
         self.used = self.used or [0] * self.dp
@@ -109,12 +110,15 @@ class FakeSGLang(FakeEngine):
             }
             for r in range(self.dp)
         ]
-        return {
+        info: dict[str, Any] = {
             "model_path": MODEL, "served_model_name": MODEL, "tp_size": self.dp, "dp_size": self.dp,
             "enable_dp_attention": True, "page_size": self.page_size, "context_length": None,
             "status": "ready", "max_total_num_tokens": self.capacity, "max_req_input_len": 163_834,
             "internal_states": states if self.internal_states else [], "version": "0.5.x",
         }  # fmt: skip
+        if self.attn_dp_size_field:
+            info.update(dp_size=1, attn_dp_size=self.dp)
+        return info
 
     def loads(self) -> dict[str, Any]:
         loads = [

@@ -55,6 +55,14 @@ async def test_sglang_discovery_reads_per_rank_capacity_page_and_context(http: h
     assert info.extra["capacity_source"] == "internal_states"
 
 
+async def test_sglang_0_5_23_attn_dp_size_counts_the_ranks(http: httpx.AsyncClient) -> None:
+    # Launched with the deprecated --enable-dp-attention, 0.5.23 reports dp_size 1 and attn_dp_size 8.
+    async with serve(FakeSGLang(attn_dp_size_field=True).app()) as url:
+        info = await sglang(url).discover(http)
+    assert info.dp_size == 8
+    assert len(info.capacities_tokens) == 8
+
+
 async def test_sglang_capacity_fallbacks_and_old_server_info_path(http: httpx.AsyncClient) -> None:
     fake = FakeSGLang(dp=4, internal_states=False, has_server_info=False)
     async with serve(fake.app()) as url:

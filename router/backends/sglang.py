@@ -65,7 +65,7 @@ class SGLangBackend:
 
     async def discover(self, http: httpx.AsyncClient) -> BackendInfo:
         server_info = await self._server_info(http)
-        dp_size = fetch.as_int(server_info.get("dp_size")) or 1
+        dp_size = _attention_dp_size(server_info)
         if self._per_rank_urls and len(self.spec.urls) != dp_size:
             raise BackendError(
                 f"{self._base}: dp_size is {dp_size} but {len(self.spec.urls)} per-rank URLs given"
@@ -331,3 +331,15 @@ def parse_metrics(text: str) -> list[RankTelemetry]:
         for rank, v in sorted(values.items())
         if _USED in v
     ]
+
+
+def _attention_dp_size(server_info: Mapping[str, Any]) -> int:
+    """The number of attention-DP ranks (KV pools) the server runs.
+
+    SGLang 0.5.23 replaced ``--enable-dp-attention`` with ``--attn-dp-size N``; when launched with the old
+    spelling it reports ``dp_size: 1, attn_dp_size: 8`` (``handle_deprecated_dp_attention``), so reading
+    ``dp_size`` alone would see one rank. Older servers have no ``attn_dp_size``.
+    """
+    dp_size = fetch.as_int(server_info.get("dp_size")) or 1
+    attn_dp_size = fetch.as_int(server_info.get("attn_dp_size")) or 0
+    return max(dp_size, attn_dp_size)
