@@ -188,6 +188,8 @@ class Proxy:
             up = backend.upstream(key.rank, flight.route)  # type: ignore[arg-type]
         except BackendError as exc:
             raise RetryableUpstream(str(exc)) from None
+        for name in STRIPPED_FIELDS:  # a retry may go to another backend: drop the last attempt's pin
+            payload.pop(name, None)
         payload.update(up.body_fields)
         if backend.spec.engine == "sglang" and flight.sized.sequences == 1:
             flight.rid = payload["rid"] = f"{flight.request_id}-{attempt}"
