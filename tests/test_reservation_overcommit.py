@@ -62,16 +62,18 @@ def test_headroom_grows_with_inflight_and_shrinks_with_what_departures_free() ->
     pop = population_profile(TWO_POINT, 100)
     new = fresh_profile(TWO_POINT, 100, 10_000)
     assert headroom_tokens(0, 0.0, NO_GROWTH, NO_GROWTH, 0.01) == 0
-    small = headroom_tokens(10, 200.0, pop, new, 0.01)
-    big = headroom_tokens(100, 200.0, pop, new, 0.01)
+    small = headroom_tokens(10, 1.0, pop, new, 0.01)  # departures free (almost) nothing
+    big = headroom_tokens(100, 1.0, pop, new, 0.01)
     assert 0 < small < big
     # Requests that free a lot when they leave need less headroom than ones that free little.
-    assert headroom_tokens(100, 50_000.0, pop, new, 0.01) < headroom_tokens(100, 200.0, pop, new, 0.01)
-    # Never more than "everyone at their final length at once", plus the Cantelli spread.
-    assert headroom_tokens(100, 200.0, pop, new, 0.01) <= 100 * 200 + 100 + bernstein_margin(
-        101 * 200**2, 512, 0.005
-    )
-    assert headroom_tokens(100, 200.0, pop, new, 0.2) < big  # a looser target holds back less
+    assert headroom_tokens(100, 50_000.0, pop, new, 0.01) < big
+    assert headroom_tokens(100, 1.0, pop, new, 0.2) < big  # a looser target holds back less
+    strict = headroom_tokens(100, 1.0, pop, new, 0.01, "bernstein")
+    assert strict > big  # a guarantee costs more
+    # ... but never more than "everyone at their final length at once" plus the Bernstein spread.
+    assert strict <= 100 * 200 + 100 + bernstein_margin(101 * 200**2, 200, 0.005)
+    with pytest.raises(ValueError, match="known: normal, bernstein"):
+        headroom_tokens(1, 1.0, pop, new, 0.01, "guess")
 
 
 def test_with_headroom_charges_reservations_and_leaves_capacity_alone() -> None:
@@ -98,7 +100,12 @@ class _Running:
 
 
 def _run(
-    target: float, quantile: float = 0.5, steps: int = 2500, seed: int = 7, budget: bool = True
+    target: float,
+    quantile: float = 0.5,
+    steps: int = 2500,
+    seed: int = 7,
+    budget: bool = True,
+    bound: str = "normal",
 ) -> tuple[int, int, float]:
     """Saturated arrivals into one rank of 60k tokens, one token per request per step; a request whose
     growth overflows the pool preempts the newest (engine behaviour). Returns (finished, preempted, mean
@@ -108,6 +115,7 @@ def _run(
     settings = ReservationSettings(
         ReservationMode.PREDICTED,
         target_preemption_rate=target,
+        bound=bound,
         predictor=PredictorConfig(quantile, prior_median_tokens=200, prior_sigma=1.0, half_life_obs=300),
     )
     book = ReservationBook(settings)
@@ -175,6 +183,12 @@ def test_the_budget_holds_preemptions_under_target_in_a_seeded_run() -> None:
     assert finished > 330
     assert preempted / finished < 0.01, (preempted, finished)
     assert utilisation > 0.85, utilisation  # and it still fills the pool
+
+
+def test_the_bernstein_bound_is_stricter_and_costs_little_here() -> None:
+    finished, preempted, utilisation = _run(target=0.01, quantile=0.05, bound="bernstein")
+    assert preempted == 0
+    assert utilisation > 0.8, utilisation
 
 
 def test_without_the_budget_the_same_run_preempts() -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from router.placement.snapshot import RankKey, Snapshot
 from router.reservation.modes import ReservationMode, initial_output_tokens, next_growth
 from router.reservation.overcommit import (
+    BOUNDS,
     NO_GROWTH,
     GrowthProfile,
     fresh_profile,
@@ -26,6 +27,12 @@ _REFRESH_OBS = 32  # recompute a growth profile after this many new lengths behi
 _CACHE_MAX = 4096
 
 
+def _stale(computed_at: int, seen: int) -> bool:
+    """A profile computed after ``computed_at`` lengths is stale once ``_REFRESH_OBS`` more arrived, or
+    once the count doubled (so a cold start learns fast)."""
+    return seen - computed_at >= min(_REFRESH_OBS, max(1, computed_at))
+
+
 @dataclass(frozen=True, slots=True)
 class ReservationSettings:
     """``target_preemption_rate``: the over-commit budget's bound on a rank outgrowing its pool per
@@ -35,12 +42,15 @@ class ReservationSettings:
     target_preemption_rate: float = 0.01
     step_tokens: int = 0
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    bound: str = "normal"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_preemption_rate < 1.0:
             raise ValueError(f"target_preemption_rate must be in (0, 1), got {self.target_preemption_rate}")
         if self.step_tokens < 0:
             raise ValueError(f"step_tokens must be >= 0, got {self.step_tokens}")
+        if self.bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {', '.join(BOUNDS)}, got {self.bound!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +97,7 @@ class ReservationBook:
         level, seen = self.predictor.version(key)
         cache_key = (level, output, max_tokens)
         cached = self._fresh.get(cache_key)
-        if cached is None or seen - cached[0] >= _REFRESH_OBS:
+        if cached is None or _stale(cached[0], seen):
             if len(self._fresh) >= _CACHE_MAX:
                 self._fresh.clear()
             profile = fresh_profile(self.predictor.distribution(key), output, max_tokens)
@@ -98,12 +108,13 @@ class ReservationBook:
         """The snapshot with every rank's over-commit headroom charged (unchanged in mode max)."""
         if not self.predicted:
             return snapshot
-        return with_headroom(snapshot, self.population(), plan.growth, self.settings.target_preemption_rate)
+        s = self.settings
+        return with_headroom(snapshot, self.population(), plan.growth, s.target_preemption_rate, s.bound)
 
     def population(self) -> GrowthProfile:
         """Growth profile of a request already running anywhere (all routes), refreshed as lengths arrive."""
         _, seen = self.predictor.version(None)
-        if self._population is None or seen - self._population[0] >= _REFRESH_OBS:
+        if self._population is None or _stale(self._population[0], seen):
             cover = self.predictor.quantile_tokens(None)
             self._population = (seen, population_profile(self.predictor.distribution(None), cover))
         return self._population[1]
@@ -156,6 +167,10 @@ class ReservationBook:
     def reserved_tokens(self, request_id: str) -> int | None:
         held = self._held.get(request_id)
         return None if held is None else held.reserved_tokens
+
+    def prompt_tokens(self, request_id: str) -> int:
+        held = self._held.get(request_id)
+        return 0 if held is None else held.plan.prompt_tokens
 
     def __len__(self) -> int:
         return len(self._held)

@@ -13,8 +13,10 @@ reservations their departures free. Growth is refused only if ``G(t) - F(t) > he
 
     headroom >= upper(G(t)) - lower(F(t)),
 
-each bound from Bernstein's inequality at ``target / 2`` (no distribution shape assumed: only that
-requests are independent and one request grows at most ``t`` tokens in ``t`` steps). Counting every
+each bound at ``target / 2``: by default the central-limit (normal) estimate of the sums; with
+``bound="bernstein"`` Bernstein's inequality, a guarantee assuming only independent requests that grow
+at most ``t`` tokens in ``t`` steps, but one that holds back several times more when a rank has few
+requests with a long tail (small pools). Counting every
 request at its final length at once (no departures) would hold back several times more: prompts
 dominate chat KV, and a finished request returns its prompt.
 
@@ -28,7 +30,9 @@ All pure: :func:`with_headroom` maps a Snapshot to the Snapshot the unchanged pl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 
 from router.placement.snapshot import Snapshot
 from router.reservation.predictor import Distribution
@@ -50,6 +54,14 @@ class GrowthProfile:
 
 
 NO_GROWTH = GrowthProfile()
+
+
+def normal_margin(var_sum: float, term_bound: float, target_rate: float) -> float:
+    """``z * sd`` with P(N(0,1) > z) = target_rate: the central-limit estimate of the same tail. Much
+    tighter than Bernstein when few requests carry a long tail, but an estimate, not a bound."""
+    if not 0.0 < target_rate < 1.0:
+        raise ValueError(f"target preemption rate must be in (0, 1), got {target_rate}")
+    return NormalDist().inv_cdf(1.0 - target_rate) * math.sqrt(max(0.0, var_sum))
 
 
 def bernstein_margin(var_sum: float, term_bound: float, target_rate: float) -> float:
@@ -117,9 +129,15 @@ def headroom_tokens(
     population: GrowthProfile,
     new_request: GrowthProfile,
     target_rate: float,
+    bound: str = "normal",
 ) -> int:
     """Tokens a rank with ``inflight`` requests (holding ``mean_reserved_tokens`` each) keeps free of new
-    placements so that, with ``new_request`` placed, growth is refused with probability <= target."""
+    placements so that, with ``new_request`` placed, growth is refused with probability <= target
+    (``bound``: ``normal``, the central-limit estimate, or ``bernstein``, a guarantee that costs more
+    headroom when a rank holds few requests)."""
+    margin = _MARGINS.get(bound)
+    if margin is None:
+        raise ValueError(f"unknown bound {bound!r} (known: {', '.join(_MARGINS)})")
     half = target_rate / 2.0  # one half for each of the two bounds (union bound)
     n = max(0, inflight)
     worst = 0.0
@@ -130,12 +148,19 @@ def headroom_tokens(
             continue
         pop_bound = population.growth_bound_tokens if n else 0.0
         term_bound = min(float(t), max(pop_bound, new_request.growth_bound_tokens))
-        grow_hi = n * g_mean + n_mean + bernstein_margin(n * g_var + n_var, term_bound, half)
+        grow_hi = n * g_mean + n_mean + margin(n * g_var + n_var, term_bound, half)
         leaving = n * p_pop + p_new
         leaving_var = n * p_pop * (1 - p_pop) + p_new * (1 - p_new)
-        freed_lo = mean_reserved_tokens * max(0.0, leaving - bernstein_margin(leaving_var, 1.0, half))
+        freed_lo = mean_reserved_tokens * max(0.0, leaving - margin(leaving_var, 1.0, half))
         worst = max(worst, grow_hi - freed_lo)
     return math.ceil(worst)
+
+
+_MARGINS: dict[str, Callable[[float, float, float], float]] = {
+    "normal": normal_margin,
+    "bernstein": bernstein_margin,
+}
+BOUNDS: tuple[str, ...] = tuple(_MARGINS)
 
 
 def _merged_horizons(a: GrowthProfile, b: GrowthProfile) -> tuple[int, ...]:
@@ -152,13 +177,17 @@ def _at(p: GrowthProfile, i: int, t: int) -> tuple[float, float, float]:
 
 
 def with_headroom(
-    snapshot: Snapshot, population: GrowthProfile, new_request: GrowthProfile, target_rate: float
+    snapshot: Snapshot,
+    population: GrowthProfile,
+    new_request: GrowthProfile,
+    target_rate: float,
+    bound: str = "normal",
 ) -> Snapshot:
     """The snapshot as placement must see it: each rank's headroom added to its reservations."""
     views = []
     for view in snapshot.ranks:
         mean_reserved = view.reserved_tokens / view.inflight if view.inflight > 0 else 0.0
-        extra = headroom_tokens(view.inflight, mean_reserved, population, new_request, target_rate)
+        extra = headroom_tokens(view.inflight, mean_reserved, population, new_request, target_rate, bound)
         views.append(replace(view, reserved_tokens=view.reserved_tokens + extra) if extra else view)
     return replace(snapshot, ranks=tuple(views))
 
