@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
-from fastapi import FastAPI
 from pydantic import SecretStr
 
 from router.config import ConfigError, Settings, load_settings
+
+if TYPE_CHECKING:  # the web stack is imported only when serving, so `kvrouter plan` starts fast
+    from fastapi import FastAPI
 
 SETTINGS_ENV = "KVROUTER_SERVE_SETTINGS_JSON"  # hands resolved settings to uvicorn worker processes
 GRACEFUL_SHUTDOWN_S = 10
