@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from router.cli import app
 
 LAYOUT_KEYS = {
     "ranks",
@@ -23,10 +26,27 @@ LAYOUT_KEYS = {
 }
 
 
-def kvrouter(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60, check=False
+class Outcome:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def kvrouter(*args: str) -> Outcome:
+    """In-process: a subprocess per case costs seconds on a busy box; one test below runs the binary."""
+    result = CliRunner().invoke(app, list(args), terminal_width=120)
+    return Outcome(result.exit_code, result.stdout, result.stderr)
+
+
+def test_console_script_runs_as_a_process() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "plan", "--gpus", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "kvrouter: error: --gpus must be positive, got 0"
 
 
 def test_plan_json_contract() -> None:
