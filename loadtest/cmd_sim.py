@@ -122,6 +122,11 @@ def sim(
     telemetry_interval_s: float = typer.Option(1.0, help="Engine telemetry refresh period (virtual s)."),
     drain_limit_s: float = typer.Option(1800.0, help="Virtual time allowed after the last arrival."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    reservation: str = typer.Option(
+        "max", help="Output reservation: max (max_tokens) or predicted (learned quantile, grown by pages)."
+    ),
+    target_preemption_rate: float = typer.Option(0.01, help="predicted: over-commit budget's target."),
+    reservation_quantile: float = typer.Option(0.5, help="predicted: quantile of observed lengths."),
 ) -> None:
     if engine not in ENGINE_MODES:
         raise _fail(f"--engine must be one of {', '.join(ENGINE_MODES)}, got {engine!r}")
@@ -138,9 +143,10 @@ def sim(
     rmode: ReserveMode = "max" if reserve == "max" else "gateway"
     cfg = SimConfig(
         mode, capacity_scale, page_size, default_max_tokens, rmode, queue_max, queue_timeout_s,
-        telemetry_interval_s, drain_limit_s,
+        telemetry_interval_s, drain_limit_s, reservation, target_preemption_rate, reservation_quantile,
     )  # fmt: skip
     try:
+        cfg.reservation_settings()
         ecfg = cfg.engine_config()
     except ValueError as exc:  # EngineConfigError, CapacityError: bad sizes
         raise _fail(str(exc)) from None

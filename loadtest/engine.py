@@ -163,6 +163,11 @@ class Engine:
         req = self._reqs.get(rid)
         return None if req is None else req.rank
 
+    def generated_tokens(self, rid: str) -> int | None:
+        """Tokens ``rid`` has generated so far (kept across a preemption); None if it is not in the engine."""
+        req = self._reqs.get(rid)
+        return None if req is None else self._generated(self._ranks[req.rank], req)
+
     def running_rids(self, rank: int) -> list[str]:
         return list(self._ranks[rank].running)
 

@@ -21,9 +21,11 @@ from typing import Any
 from loadtest.engine import Engine, EngineConfig, EngineError, EngineRequest, StepResult
 from loadtest.engine_types import EngineMode
 from loadtest.sim_metrics import MAX_SAMPLES, SimMetrics
+from loadtest.sim_reservation import SimReservations
 from loadtest.sim_router import Placed, Refused, ReserveMode, RouterConfig, SimRouter
 from loadtest.workload import RequestSpec, Scenario
 from router.placement import POLICY_NAMES, get_policy
+from router.reservation import PredictorConfig, ReservationMode, ReservationSettings
 
 ENGINE_ONLY = "engine"
 SIM_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, ENGINE_ONLY)
@@ -50,6 +52,18 @@ class SimConfig:
     queue_timeout_s: float = 30.0
     telemetry_interval_s: float = 1.0
     drain_limit_s: float = 1800.0
+    # Output reservations (router.reservation): max_tokens, or a learned quantile grown page by page.
+    reservation: str = "max"
+    target_preemption_rate: float = 0.01
+    reservation_quantile: float = 0.5
+
+    def reservation_settings(self) -> ReservationSettings:
+        """Raises ValueError for an unknown mode or a target / quantile outside (0, 1)."""
+        return ReservationSettings(
+            ReservationMode.parse(self.reservation),
+            self.target_preemption_rate,
+            predictor=PredictorConfig(quantile=self.reservation_quantile),
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.for_engine(
@@ -75,6 +89,7 @@ class _Run:
         self.engine = Engine(self.engine_cfg)
         n = self.engine_cfg.dp_size
         self.router: SimRouter | None = None
+        self.reservations: SimReservations | None = None
         if policy != ENGINE_ONLY:
             rcfg = RouterConfig(
                 ranks=n,
@@ -88,7 +103,13 @@ class _Run:
                 telemetry_interval_s=config.telemetry_interval_s,
                 seed=scenario.seed,
             )
-            self.router = SimRouter(rcfg, get_policy(policy))
+            settings = config.reservation_settings()
+            self.reservations = (
+                SimReservations(settings, self.engine_cfg.page_size)
+                if settings.mode is ReservationMode.PREDICTED
+                else None
+            )
+            self.router = SimRouter(rcfg, get_policy(policy), self.reservations)
         span_s = requests[-1].arrival_s if requests else 0.0
         self.metrics = SimMetrics(n, scenario.slo, max(span_s, 1.0) / MAX_SAMPLES)
         self.horizon_s = span_s + config.drain_limit_s
@@ -144,7 +165,7 @@ class _Run:
             if ev.finished:
                 del self.live[idx]
                 if self.router is not None:
-                    self.router.release(idx)
+                    self.router.release(idx, None if ev.finish_reason == "abort" else ev.generated_tokens)
                 spec: RequestSpec = entry[0]
                 if ev.finish_reason == "abort" or entry[1] is None:
                     self.failed["abort"] += 1
@@ -202,6 +223,8 @@ class _Run:
             res = engine.step()
             self.now_s += res.duration_s
             self._events(res)
+            if self.reservations is not None and router is not None:
+                self.reservations.after_step(engine, router)
             loads = engine.rank_loads()
             self.metrics.on_step(self.now_s, res.duration_s, loads, self.firsts)
             if router is not None:
@@ -221,6 +244,7 @@ class _Run:
             "rejected_reasons": dict(sorted(self.rejected.items())),
             "failed_reasons": dict(sorted(self.failed.items())),
             "preemptions": self.engine.preemptions_total,
+            **(self.reservations.stats() if self.reservations is not None else {}),
             "ledger_reserved_tokens_at_end": sum(self.router.reserved_tokens) if self.router else 0,
             "timeseries": self.metrics.timeseries(),
         }

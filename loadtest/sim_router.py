@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loadtest.engine_types import RankLoad
+from loadtest.sim_reservation import SimReservations
 from loadtest.workload import RequestSpec
 from router.placement.admission import Action, decide
 from router.placement.policies import Policy
@@ -62,9 +63,12 @@ class Refused:
 class SimRouter:
     """Ledger arrays, the wait queue and the telemetry copy; the simulator loop feeds it engine events."""
 
-    def __init__(self, config: RouterConfig, policy: Policy) -> None:
+    def __init__(
+        self, config: RouterConfig, policy: Policy, reservations: SimReservations | None = None
+    ) -> None:
         self.config = config
         self.policy = policy
+        self.reservations = reservations  # None: reserve max_tokens (mode max)
         n = config.ranks
         self.reserved_tokens = [0] * n
         self.inflight = [0] * n
@@ -86,9 +90,13 @@ class SimRouter:
         if limit is None:
             limit = cfg.default_max_tokens if cfg.reserve_mode == "gateway" else cfg.max_context_tokens
         room = max(1, cfg.max_context_tokens - spec.prompt_tokens)
+        output_tokens = min(limit, room)
+        if self.reservations is not None:  # predicted: capped by what the engine will allow
+            cap = min(spec.max_tokens, room) if spec.max_tokens is not None else room
+            output_tokens = self.reservations.output_tokens(spec, cap)
         return RequestShape(
             prompt_tokens=spec.prompt_tokens,
-            output_tokens=min(limit, room),
+            output_tokens=output_tokens,
             prefix_hash=spec.prefix_group,
             entropy=((spec.index + 1) * _MIX + self.config.seed) & _MASK,
         )
@@ -115,6 +123,8 @@ class SimRouter:
     def _try(self, spec: RequestSpec, shape: RequestShape) -> Placed | Refused | None:
         """One decision: placed, refused for good, or None (no room now)."""
         snap = self.snapshot()
+        if self.reservations is not None:
+            snap = self.reservations.adjust(snap, spec.index)
         self.tick += 1
         d = decide(snap, shape, self.policy, max_context_tokens=self.config.max_context_tokens)
         if d.action is Action.REJECT:
@@ -129,6 +139,8 @@ class SimRouter:
         self.prefill_tokens[rank] += spec.prompt_tokens
         self.prefill_requests[rank] += 1
         self._held[spec.index] = (rank, tokens, spec.prompt_tokens)
+        if self.reservations is not None:
+            self.reservations.placed(spec.index, self._keys[rank], tokens)
         return Placed(spec, rank, tokens)
 
     def offer(self, spec: RequestSpec, now_s: float) -> Placed | Refused | None:
@@ -179,8 +191,20 @@ class SimRouter:
         self.prefill_requests[rank] -= 1
         self._held[index] = (rank, tokens, 0)
 
-    def release(self, index: int) -> None:
-        """The request finished or failed: return its reservation (exactly once)."""
+    def grow(self, index: int, tokens: int) -> bool:
+        """Grow a live reservation if its rank has room (the ledger's ``grow``)."""
+        held = self._held.get(index)
+        if held is None or self.reserved_tokens[held[0]] + tokens > self.config.capacity_tokens:
+            return False
+        self.reserved_tokens[held[0]] += tokens
+        self._held[index] = (held[0], held[1] + tokens, held[2])
+        return True
+
+    def release(self, index: int, generated_tokens: int | None = None) -> None:
+        """The request finished or failed: return its reservation (exactly once). ``generated_tokens``:
+        its length when it ended on its own (what the predictor learns from)."""
+        if self.reservations is not None:
+            self.reservations.finished(index, generated_tokens)
         self.first_token(index)
         held = self._held.pop(index, None)
         if held is None:
