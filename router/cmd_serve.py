@@ -52,8 +52,11 @@ def run(settings: Settings) -> None:
     if settings.workers == 1:
         uvicorn.run(create_app(settings), **common)
         return
+    from router.telemetry import prepare_multiprocess_dir
+
     dumped = {k: _plain(v) for k, v in settings.model_dump().items() if k != "config_file"}
     os.environ[SETTINGS_ENV] = orjson.dumps(dumped).decode()
+    prepare_multiprocess_dir()  # one /metrics for all workers, whichever answers the scrape
     uvicorn.run("router.cmd_serve:app_from_env", factory=True, workers=settings.workers, **common)
 
 

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from router.config import Settings
-from router.telemetry import Metrics
+from router.telemetry import Metrics, multiprocess_dir
 
 from . import info, openai, sglang_generate
 from .errors import install_error_handlers
@@ -22,7 +22,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[LifespanState]:
-        gateway = Gateway(settings, Metrics())
+        metrics = Metrics(policy=settings.policy, multiprocess_dir=multiprocess_dir(settings.workers))
+        gateway = Gateway(settings, metrics)
         await gateway.start()
         try:
             yield {"gateway": gateway, "proxy": Proxy(gateway)}

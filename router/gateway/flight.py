@@ -51,6 +51,7 @@ class Flight:
     grown_tokens: int = 0
     finished: bool = False
     outcome: str = "ok"
+    model: str = ""  # metrics label: a served model (set once the request was matched to backends)
 
     def on_placed(self, load: LocalLoad, key: RankKey) -> None:
         self.key = key

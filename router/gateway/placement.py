@@ -7,6 +7,7 @@ request that fits nowhere now waits in the :class:`WaitQueue`; one that can neve
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -121,6 +122,7 @@ class Placer:
         allowed = [k for k in keys if k not in exclude] if exclude else keys
         if not allowed:
             raise ApiError(503, "no rank left to try", code="no_healthy_rank", headers={"Retry-After": "1"})
+        start_s = time.perf_counter()
         try:
             key = await self.queue.admit(lambda: self._attempt(flight, allowed))
         except QueueFull:
@@ -131,6 +133,7 @@ class Placer:
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
         except QueueTimeout:
+            self.metrics.queue_wait.labels("timeout").observe(time.perf_counter() - start_s)
             raise ApiError(
                 503,
                 f"No KV capacity freed within {self.queue.timeout_s:g} s.",
@@ -139,6 +142,8 @@ class Placer:
             ) from None
         except LedgerUnavailable as exc:
             raise ApiError(503, f"ledger unavailable: {exc}", code="ledger_unavailable") from None
+        self.metrics.queue_wait.labels("placed").observe(time.perf_counter() - start_s)
+        self.metrics.placed(key)
         flight.on_placed(self.load, key)
         return key
 

@@ -49,7 +49,11 @@ class Streaming:
 
 
 class RetryableUpstream(Exception):
-    """This rank failed before the first byte: try another."""
+    """This rank failed before the first byte: try another. ``kind`` labels kvrouter_upstream_errors_total."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -110,7 +114,7 @@ class Proxy:
         except ApiError as exc:
             self.gw.metrics.rejections.labels(exc.code).inc()
             if not exc.counted:  # refused before a flight existed: nothing else counted it
-                self.gw.metrics.requests.labels(route, str(exc.status)).inc()
+                self.gw.metrics.requests.labels(route, str(exc.status), "").inc()
             raise
 
     async def _handle(self, request: Request, route: Route) -> Response:
@@ -126,7 +130,7 @@ class Proxy:
         set_output_limit(route, payload, sized.output_limit_tokens)
         shape = RequestShape(sized.prompt_tokens, sized.output_tokens, entropy=gw.placer.entropy())
         stream = payload.get("stream") is True
-        flight = Flight(uuid.uuid4().hex, route, sized, shape, stream)
+        flight = Flight(uuid.uuid4().hex, route, sized, shape, stream, model=model or "")
         watch = DisconnectWatch(request.receive)
         gw.begin(flight)
         handed_off = False
@@ -173,7 +177,7 @@ class Proxy:
             except RetryableUpstream as exc:
                 last = f"{key}: {exc}"
                 tried.append(key)
-                gw.metrics.upstream_errors.labels(key.backend, "before_first_byte").inc()
+                gw.metrics.upstream_errors.labels(key.backend, exc.kind).inc()
                 if attempt + 1 < gw.settings.retry_attempts:
                     gw.metrics.retries.labels(key.backend).inc()
                 await gw.unplace(flight)
@@ -187,7 +191,7 @@ class Proxy:
         try:
             up = backend.upstream(key.rank, flight.route)  # type: ignore[arg-type]
         except BackendError as exc:
-            raise RetryableUpstream(str(exc)) from None
+            raise RetryableUpstream(str(exc), "rank_unavailable") from None
         for name in STRIPPED_FIELDS:  # a retry may go to another backend: drop the last attempt's pin
             payload.pop(name, None)
         payload.update(up.body_fields)
@@ -200,8 +204,9 @@ class Proxy:
                 up.url, data=orjson.dumps(payload), headers=headers, timeout=gw.upstream_timeout
             )
         except aiohttp.ClientConnectionError as exc:
-            raise RetryableUpstream(f"connect: {type(exc).__name__}") from None
+            raise RetryableUpstream(f"connect: {type(exc).__name__}", "connect") from None
         except TimeoutError:
+            gw.metrics.upstream_errors.labels(key.backend, "timeout").inc()
             raise ApiError(504, "Upstream did not answer in time.", code="upstream_timeout") from None
         return await self._read_start(flight, resp)
 
@@ -210,22 +215,24 @@ class Proxy:
         try:
             if resp.status >= 500:
                 detail = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", "replace")
-                raise RetryableUpstream(f"HTTP {resp.status}: {detail[:200]}")
+                raise RetryableUpstream(f"HTTP {resp.status}: {detail[:200]}", "http_5xx")
             ctype = resp.headers.get("Content-Type", "application/json")
             if resp.status != 200 or not flight.stream or "text/event-stream" not in ctype:
                 body = await resp.read()
-                _first_byte(gw, flight)
+                _first_byte(gw, flight, streamed=False)
                 return Buffered(resp.status, body, ctype)
             first = await resp.content.readany()
             if not first:
-                raise RetryableUpstream("stream ended before its first byte")
-            _first_byte(gw, flight)
+                raise RetryableUpstream("stream ended before its first byte", "empty_stream")
+            _first_byte(gw, flight, streamed=True)
             return Streaming(resp, first)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             resp.close()
-            raise RetryableUpstream(f"{type(exc).__name__} before the first byte") from None
+            raise RetryableUpstream(f"{type(exc).__name__} before the first byte", "read") from None
         except TimeoutError:
             resp.close()
+            if flight.key is not None:
+                gw.metrics.upstream_errors.labels(flight.key.backend, "timeout").inc()
             raise ApiError(504, "Upstream did not answer in time.", code="upstream_timeout") from None
         except BaseException:
             resp.close()
@@ -235,9 +242,10 @@ class Proxy:
                 resp.release()
 
 
-def _first_byte(gw: Gateway, flight: Flight) -> None:
+def _first_byte(gw: Gateway, flight: Flight, streamed: bool) -> None:
     flight.on_first_byte(gw.load)
-    gw.metrics.ttft.labels(flight.route).observe(time.perf_counter() - flight.arrived_s)
+    if streamed:  # a buffered answer's first byte is its last: it is in kvrouter_request_duration_seconds
+        gw.metrics.ttft.labels(flight.route, flight.model).observe(time.perf_counter() - flight.arrived_s)
 
 
 def _rank_header_str(flight: Flight) -> list[tuple[str, str]]:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import TYPE_CHECKING
 
 import aiohttp
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+
+from router.telemetry import observe_spread
 
 from .errors import sse_error_event
 
@@ -142,7 +145,8 @@ class RelayResponse(Response):
             flight.outcome = "client_disconnect"
         except (aiohttp.ClientError, TimeoutError) as exc:
             flight.outcome = "upstream_timeout" if isinstance(exc, TimeoutError) else "upstream_error"
-            gw.metrics.upstream_errors.labels(_backend(flight), flight.outcome).inc()
+            kind = "stream_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+            gw.metrics.upstream_errors.labels(_backend(flight), kind).inc()
             await self._fail(send, exc)
         finally:
             self._watch.stop()
@@ -152,12 +156,18 @@ class RelayResponse(Response):
     async def _pump(self, send: Send) -> None:
         gw, flight = self._gw, self._flight
         load = gw.load
+        itl = gw.metrics.itl.labels(flight.route, flight.model)
+        last_token_s: float | None = None  # arrival of the previous chunk that carried tokens
         chunk = self._first
         content = self._upstream.content
         while chunk:
             new = count_chunk(flight, chunk)
             if new:
                 flight.on_tokens(load, new)
+                now_s = time.perf_counter()
+                if last_token_s is not None:
+                    observe_spread(itl, now_s - last_token_s, new)
+                last_token_s = now_s
                 if flight.generated_tokens - flight.reported_tokens >= REPORT_EVERY_TOKENS:
                     await gw.report_tokens(flight)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -22,9 +22,11 @@ from router.ledger.base import Ledger, LedgerUnavailable
 from router.ledger.factory import build_ledger
 from router.placement import get_policy
 from router.placement.snapshot import RankKey
-from router.reconcile import Reconciler, ReconcileSettings, ledger_estimate
+from router.reconcile import Reconciler, ReconcileSettings
 from router.sizing import Sizer, load_tokenizer
-from router.telemetry import Metrics, RankRow
+from router.telemetry import LocalState, Metrics
+from router.telemetry_ledger import TimedLedger
+from router.telemetry_state import RankRow, RankStateCollector, UsageCache, rank_rows
 from router.telemetry_store import TelemetryStore
 
 from .flight import Flight, LocalLoad
@@ -54,12 +56,14 @@ class Gateway:
             spec.name: make_backend(spec, timeout_s=settings.connect_timeout_s)
             for spec in settings.backend_specs()
         }
-        self.ledger: Ledger = build_ledger(
+        inner = build_ledger(
             settings.redis_url,
             failure_mode=settings.ledger_failure_mode,
             lease_ttl_s=settings.lease_ttl_s,
             replicas=settings.workers,
         )
+        self.ledger: Ledger = TimedLedger(inner, metrics.ledger_seconds, metrics.ledger_errors)
+        self.usage = UsageCache(self.ledger)  # the reconcile loop's ledger snapshot, behind /metrics
         self.store = TelemetryStore()
         self.load = LocalLoad()
         self.queue = WaitQueue(settings.queue_max, settings.queue_timeout_s)
@@ -73,7 +77,7 @@ class Gateway:
             self.store,
             http=self.control,
             settings=ReconcileSettings(interval_s=settings.reconcile_interval_s),
-            estimate=ledger_estimate(self.ledger),
+            estimate=self.usage.estimate,
             on_discovered=self._discovered,
         )
         self.session: aiohttp.ClientSession | None = None
@@ -82,6 +86,8 @@ class Gateway:
         )
         self._background: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        engines = {name: b.spec.engine for name, b in self.backends.items()}
+        metrics.attach(RankStateCollector(self.store, self.usage, engines), self._local_state)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -90,6 +96,7 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         await self.reconciler.start()
         self._renewer = asyncio.create_task(self._renew_loop(), name="kvrouter-lease-renew")
+        await self.metrics.start()
 
     async def stop(self) -> None:
         if self._renewer is not None:
@@ -108,6 +115,7 @@ class Gateway:
             await self.session.close()
         await self.control.aclose()
         await self.ledger.close()
+        await self.metrics.stop()
 
     async def _discovered(self, info: BackendInfo) -> None:
         await self.ledger.register({RankKey(info.name, r): c for r, c in enumerate(info.capacities_tokens)})
@@ -145,11 +153,9 @@ class Gateway:
             self.metrics.generated.inc(flight.generated_tokens)
         flight.on_unplaced(self.load)
         await self._release(flight.request_id)
-        m = self.metrics
-        m.requests.labels(flight.route, str(status)).inc()
-        m.duration.labels(flight.route).observe(time.perf_counter() - flight.arrived_s)
+        self.metrics.finished(flight.route, flight.model, status, time.perf_counter() - flight.arrived_s)
         if flight.outcome == "client_disconnect":
-            m.disconnects.inc()
+            self.metrics.disconnects.inc()
 
     async def _release(self, request_id: str) -> None:
         try:
@@ -197,22 +203,14 @@ class Gateway:
         return any(truth.healthy for truth in self.store.ranks().values())
 
     async def rank_rows(self) -> list[RankRow]:
+        """/ranks: a live ledger read (an operator's question deserves the current answer)."""
         try:
             usage = await self.ledger.usage()
         except LedgerUnavailable:
             usage = {}
-        rows = []
-        for key, truth in sorted(self.store.ranks().items(), key=lambda kv: (kv[0].backend, kv[0].rank)):
-            u = usage.get(key)
-            rows.append(
-                RankRow(
-                    backend=key.backend,
-                    rank=key.rank,
-                    capacity_tokens=u.capacity_tokens if u is not None else truth.capacity_tokens,
-                    reserved_tokens=u.reserved_tokens if u is not None else 0,
-                    inflight=u.inflight if u is not None else 0,
-                    engine_used_tokens=truth.engine_used_tokens,
-                    healthy=truth.healthy,
-                )
-            )
-        return rows
+        return rank_rows(self.store.ranks(), usage)
+
+    def _local_state(self) -> LocalState:
+        """Per-process values for /metrics: this worker's queue and the prompts it has not seen answered."""
+        prefill = {key: self.load.get(key).prefill_tokens for key in self.store.ranks()}
+        return LocalState(self.queue.depth, prefill)
