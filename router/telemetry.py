@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.registry import Collector
 
 from router.placement.snapshot import RankKey
 from router.telemetry_state import RankRow as RankRow  # re-exported: the gateway's /ranks rows
+from router.telemetry_text import render_text
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.
                       600.0, 1200.0)  # fmt: skip
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
                         60.0, 120.0)  # fmt: skip
-LEDGER_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                    0.25, 1.0)  # fmt: skip
+LEDGER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)  # fmt: skip
 
 MAX_SPREAD_TOKENS = 4096  # bounds the per-chunk loop of observe_spread (a chunk is far smaller)
 
@@ -225,7 +225,7 @@ class Metrics:
     def render(self) -> bytes:
         """The exposition: local gauges published, then every collector read from memory."""
         self.publish()
-        return generate_latest(self.registry)
+        return render_text(self.registry)
 
     # -- request path ------------------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ class TimedLedger:
 
     def __init__(self, inner: Ledger, seconds: Histogram, errors: Counter) -> None:
         self.inner = inner
-        self._seconds = {op: seconds.labels(op) for op in LEDGER_OPS}
-        self._errors = {op: errors.labels(op) for op in LEDGER_OPS}
+        self._histogram = seconds
+        self._seconds: dict[str, Histogram] = {}  # children made on first use: no empty histograms scraped
+        self._errors = {op: errors.labels(op) for op in LEDGER_OPS}  # zeros from the start, for rate()
 
     @contextmanager
     def _timed(self, op: str) -> Iterator[None]:
@@ -34,7 +35,10 @@ class TimedLedger:
             self._errors[op].inc()
             raise
         finally:
-            self._seconds[op].observe(time.perf_counter() - start_s)
+            child = self._seconds.get(op)
+            if child is None:
+                child = self._seconds[op] = self._histogram.labels(op)
+            child.observe(time.perf_counter() - start_s)
 
     async def register(self, capacities: Mapping[RankKey, int]) -> None:
         with self._timed("register"):
