@@ -1,0 +1,134 @@
+"""Section 3: placement quality, live: the same emulated 8-rank DeepSeek-V3 node and the same seeded
+workload through kvrouter (lockstep, kv_fit) and sglang-router --dp-aware (round_robin, power_of_two,
+cache_aware). A fresh emulator per run, so its preemption counter belongs to that router alone.
+
+The emulator runs ``time_scale`` times real time, so the scenario is compressed to match: arrival rate
+/ scale, duration and SLOs x scale. Reported times and rates are converted back to engine (virtual) time,
+so they read like the simulator's and a real node's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+
+from .procs import Proc, ProcError, free_port
+from .routers import RouterSpec, router_proc
+from .stats import Spread
+from .tools import Tools, warn
+
+SCENARIO = "long-context-mix"
+KVROUTER_POLICIES = ("lockstep", "kv_fit")
+SGLANG_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    capacity_scale: float = 0.3
+    time_scale: float = 0.05
+    duration_s: float = 300.0  # virtual seconds of arrivals
+    rounds: int = 1
+
+
+@dataclass
+class PlacementResult:
+    config: PlacementConfig
+    runs: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    def metric(self, label: str, key: str) -> Spread:
+        return Spread.of([r[key] for r in self.runs.get(label, []) if key in r])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": vars(self.config), "runs": self.runs, "skipped": self.skipped}
+
+
+def scaled_scenario(cfg: PlacementConfig, directory: Path) -> Path:
+    """The built-in scenario, compressed by the time scale (rate up, duration and SLOs down)."""
+    source = resources.files("loadtest") / "scenarios" / f"{SCENARIO}.yaml"
+    spec = yaml.safe_load(source.read_text())
+    ts = cfg.time_scale
+    spec["duration_s"] = cfg.duration_s * ts
+    spec["arrival"]["rate_rps"] = spec["arrival"]["rate_rps"] / ts
+    spec["slo"] = {k: v * ts for k, v in spec["slo"].items()}
+    path = directory / f"{SCENARIO}-x{1 / ts:g}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _specs(tools: Tools) -> list[tuple[RouterSpec, str | None]]:
+    out: list[tuple[RouterSpec, str | None]] = [(RouterSpec("kvrouter", p), None) for p in KVROUTER_POLICIES]
+    out += [(RouterSpec("sglang-router", p), tools.sglang_router) for p in SGLANG_POLICIES]
+    return out
+
+
+def run_placement(tools: Tools, cfg: PlacementConfig, log_dir: Path) -> PlacementResult:
+    result = PlacementResult(cfg)
+    work = Path(tempfile.mkdtemp(prefix="kvbench-placement-"))
+    scenario = scaled_scenario(cfg, work)
+    for i in range(cfg.rounds):
+        for spec, peer in _specs(tools):
+            if spec.kind != "kvrouter" and peer is None:
+                if i == 0:
+                    result.skipped.append(f"{spec.label}: not installed")
+                continue
+            try:
+                run = _one(spec, peer, cfg, scenario, work, log_dir)
+            except (ProcError, subprocess.TimeoutExpired, httpx.HTTPError, OSError, KeyError) as exc:
+                result.skipped.append(f"{spec.label} round {i + 1}: {exc}")
+                warn(f"placement {spec.label} failed: {exc}")
+                continue
+            result.runs.setdefault(spec.label, []).append(run)
+            print(f"  placement {spec.label:<32} goodput {run['request_goodput']:.3f} req/s  p99 TTFT "
+                  f"{run['p99_ttft_s']:.1f} s  preemptions {run['preemptions']:.0f}", flush=True)  # fmt: skip
+    return result
+
+
+def _emulator_argv(cfg: PlacementConfig, port: int) -> list[str]:
+    return [
+        str(Path(sys.executable).parent / "kvrouter-loadtest"), "emulate", "--engine", "sglang", "--dp", "8",
+        "--port", str(port), "--capacity-scale", str(cfg.capacity_scale), "--time-scale", str(cfg.time_scale),
+        "--output-len-dist", "max", "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def _one(
+    spec: RouterSpec, peer: str | None, cfg: PlacementConfig, scenario: Path, work: Path, log_dir: Path
+) -> dict[str, float]:
+    port = free_port()
+    emu_url = f"http://127.0.0.1:{port}"
+    out = work / f"{spec.kind}-{spec.policy}.json"
+    with Proc("emulator", _emulator_argv(cfg, port), ready_url=emu_url + "/health", log_dir=log_dir):
+        proc, url = router_proc(spec, emu_url, log_dir, peer)
+        with proc:
+            argv = [str(Path(sys.executable).parent / "kvrouter-loadtest"), "run", "--url", url, "--scenario",
+                    str(scenario), "--out", str(out), "--no-progress", "--timeout-s", "3600"]  # fmt: skip
+            with (log_dir / f"kvbench-run-{spec.kind}-{spec.policy}.log").open("wb") as log:
+                subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=3600, check=True)
+        stats = httpx.get(emu_url + "/_emulator/stats", timeout=10).json()
+    res = orjson.loads(out.read_bytes())
+    ts = cfg.time_scale
+    return {
+        "request_goodput": float(res["request_goodput"]) * ts,  # back to engine time
+        "p99_ttft_s": float(res["p99_ttft_ms"]) / ts / 1000,
+        "median_ttft_s": float(res["median_ttft_ms"]) / ts / 1000,
+        "median_tpot_ms": float(res["median_tpot_ms"]) / ts,
+        "completed": float(res["completed"]),
+        "failed": float(res.get("failed", 0)),
+        "preemptions": float(_preemptions(stats)),
+        "wall_s": float(res["duration"]),
+        "engine_clock_s": float(stats["engine_clock_s"]),
+    }
+
+
+def _preemptions(stats: dict[str, Any]) -> int:
+    return int(stats["preemptions_total"])

@@ -1,0 +1,107 @@
+"""Markdown for docs/bench.md: one table per section, every figure a median (min-max) over rounds."""
+
+from __future__ import annotations
+
+from .overhead import DIRECT, OverheadResult
+from .placement import PlacementResult
+from .relay import NODE_EVENTS_PER_S, OFFERED_EVENTS_PER_S, RelayResult
+from .stats import Spread
+
+TARGET_RPS_RATIO = 0.5
+TARGET_ADDED_P50_MS = 2.0
+TARGET_GOODPUT_RATIO = 1.5
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def overhead_md(res: OverheadResult, kvrouter_label: str) -> list[str]:
+    lines = ["## 1. Overhead (wrk, fixed 16-token chat answer from nginx)", ""]
+    if not res.runs:
+        return [*lines, "Skipped: " + "; ".join(res.skipped), ""]
+    lines += [
+        "| target | c | req/s | added p50 ms | added p99 ms | p50 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target in res.targets():
+        for c in res.concurrencies:
+            runs = res.runs.get((target, c), [])
+            if not runs:
+                continue
+            added50 = res.added_ms(target, c, "p50_ms").fmt(2) if target != DIRECT else "-"
+            added99 = res.added_ms(target, c, "p99_ms").fmt(2) if target != DIRECT else "-"
+            p50 = Spread.of([r.p50_ms for r in runs]).fmt(2)
+            p99 = Spread.of([r.p99_ms for r in runs]).fmt(2)
+            lines.append(
+                f"| {target} | {c} | {res.rps(target, c).fmt()} | {added50} | {added99} | {p50} | {p99} |"
+            )
+    lines.append("")
+    sg = next((t for t in res.targets() if t.startswith("sglang-router")), None)
+    if sg is not None:
+        ratio = res.ratio(kvrouter_label, sg, 64)
+        added = res.added_ms(kvrouter_label, 8, "p50_ms")
+        lines += [
+            f"- {kvrouter_label} / {sg} req/s at c=64, paired per round: **{ratio.fmt(2)}** "
+            f"(target >= {TARGET_RPS_RATIO}: {_verdict(ratio.median >= TARGET_RPS_RATIO)})",
+            f"- {kvrouter_label} added p50 at c=8: **{added.fmt(2)} ms** "
+            f"(target <= {TARGET_ADDED_P50_MS} ms: {_verdict(added.median <= TARGET_ADDED_P50_MS)})",
+        ]
+    if res.skipped:
+        lines.append("- skipped: " + "; ".join(res.skipped))
+    return [*lines, ""]
+
+
+def relay_md(res: RelayResult, kvrouter_label: str) -> list[str]:
+    lines = [
+        "## 2. Streaming relay (lockstep SSE upstream, one event per stream per step)", "",
+        f"Offered {OFFERED_EVENTS_PER_S:,.0f} events/s; steady rate between 10 % and 90 % of all events.", "",
+        "| streams | direct events/s | via kvrouter events/s | relay / direct | nodes fronted (30k ev/s) |",
+        "|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for streams in sorted({s for _, s in res.runs}):
+        direct = res.rate("direct", streams)
+        via = res.rate(kvrouter_label, streams)
+        pairs = zip(
+            res.runs.get((kvrouter_label, streams), []), res.runs.get(("direct", streams), []), strict=False
+        )
+        ratio = Spread.of([v["steady_events_per_s"] / d["steady_events_per_s"] for v, d in pairs])
+        nodes = via.median / NODE_EVENTS_PER_S
+        lines.append(f"| {streams} | {direct.fmt()} | {via.fmt()} | {ratio.fmt(2)} | {nodes:.2f} |")
+    if res.skipped:
+        lines.append("\nSkipped: " + "; ".join(res.skipped))
+    return [*lines, ""]
+
+
+def placement_md(res: PlacementResult) -> list[str]:
+    cfg = res.config
+    lines = [
+        "## 3. Placement quality (live emulator, long-context-mix)", "",
+        f"Emulated 8-rank DeepSeek-V3 node, KV pools x{cfg.capacity_scale:g} of the plan, engine at "
+        f"{cfg.time_scale:g} x real time (scenario compressed to match; figures below in engine time), "
+        f"{cfg.duration_s:g} s of arrivals, {cfg.rounds} round(s).", "",
+        "| router (policy) | goodput req/s | p99 TTFT s | p50 TTFT s | p50 TPOT ms | preempt | done | fail |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for label in res.runs:
+        m = res.metric
+        lines.append(
+            f"| {label} | {m(label, 'request_goodput').fmt(3)} | {m(label, 'p99_ttft_s').fmt(1)} | "
+            f"{m(label, 'median_ttft_s').fmt(1)} | {m(label, 'median_tpot_ms').fmt()} | "
+            f"{m(label, 'preemptions').fmt()} | {m(label, 'completed').fmt()} | {m(label, 'failed').fmt()} |"
+        )
+    ours = [lb for lb in res.runs if lb.startswith("kvrouter")]
+    peers = [lb for lb in res.runs if lb.startswith("sglang-router")]
+    if ours and peers:
+        best_ours = max(ours, key=lambda lb: res.metric(lb, "request_goodput").median)
+        best_peer = max(peers, key=lambda lb: res.metric(lb, "request_goodput").median)
+        ratio = res.metric(best_ours, "request_goodput").median / max(
+            res.metric(best_peer, "request_goodput").median, 1e-9
+        )
+        pre = res.metric(best_ours, "preemptions").median
+        verdict = _verdict(ratio >= TARGET_GOODPUT_RATIO)
+        lines += ["", f"- {best_ours} / {best_peer} goodput: **{ratio:.2f}x** (target >= "
+                  f"{TARGET_GOODPUT_RATIO}: {verdict}); preemptions behind it: {pre:.0f}"]  # fmt: skip
+    if res.skipped:
+        lines.append("- skipped: " + "; ".join(res.skipped))
+    return [*lines, ""]
