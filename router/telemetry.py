@@ -102,11 +102,13 @@ class Metrics:
         self.registry = r if multiprocess_dir is None else CollectorRegistry(auto_describe=True)
         if multiprocess_dir is not None:
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
-        self._build(r)
+        self._build_request_path(r)
+        self._build_internals(r)
         self._local: LocalSource | None = None
         self._publisher: asyncio.Task[None] | None = None
 
-    def _build(self, r: CollectorRegistry) -> None:
+    def _build_request_path(self, r: CollectorRegistry) -> None:
+        """What a request passes through: answered, refused, placed, how long it took."""
         self.requests = Counter(
             "kvrouter_requests",
             "Requests answered, by route, HTTP status and model",
@@ -150,6 +152,9 @@ class Metrics:
             buckets=QUEUE_WAIT_BUCKETS_S,
             registry=r,
         )
+
+    def _build_internals(self, r: CollectorRegistry) -> None:
+        """Upstreams, the ledger, and the per-process gauges."""
         self.retries = Counter(
             "kvrouter_upstream_retries",
             "Attempts moved to another rank before the first byte",
