@@ -12,6 +12,7 @@ from router.telemetry import Metrics, multiprocess_dir
 
 from . import info, openai, sglang_generate
 from .errors import install_error_handlers
+from .fastpath import FastPath
 from .proxy import Proxy
 from .runtime import Gateway
 from .state import LifespanState
@@ -38,6 +39,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app)
+    app.add_middleware(FastPath)  # generation POSTs skip FastAPI routing (measured: docs/bench.md)
     app.include_router(openai.router)
     app.include_router(sglang_generate.router)
     app.include_router(info.router)
