@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from router.backends.base import BackendSpec
-from router.ledger.factory import check_failure_mode
+from router.ledger.factory import check_failure_mode, check_namespace
 
 
 class ConfigError(ValueError):
@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     retry_attempts: int = Field(3, ge=1, description="Ranks tried before the first byte reaches the client.")
     reconcile_interval_s: float = Field(1.0, gt=0)
     workers: int = Field(1, ge=1)
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Router replicas sharing the Redis namespace, each with `workers` processes: while Redis "
+        "is down, fail_open splits the room free at the last read among replicas x workers.",
+    )
+    ledger_namespace: str = Field("default", description="Redis key namespace; one per deployment.")
     lease_ttl_s: float = Field(60.0, gt=0, description="Reservation lease; renewed while live.")
     ledger_failure_mode: str = Field(
         "fail_closed", description="Redis unreachable: fail_closed = refuse (503), fail_open = local shares."
@@ -109,6 +116,11 @@ class Settings(BaseSettings):
     @classmethod
     def _failure_mode(cls, value: str) -> str:
         return check_failure_mode(value if "_" in value or "-" in value else f"fail_{value}")
+
+    @field_validator("ledger_namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return check_namespace(value)
 
     @field_validator("backends")
     @classmethod

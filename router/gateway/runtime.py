@@ -60,7 +60,8 @@ class Gateway:
             settings.redis_url,
             failure_mode=settings.ledger_failure_mode,
             lease_ttl_s=settings.lease_ttl_s,
-            replicas=settings.workers,
+            namespace=settings.ledger_namespace,
+            replicas=settings.replicas * settings.workers,  # every process that may book while Redis is down
         )
         self.ledger: Ledger = TimedLedger(inner, metrics.ledger_seconds, metrics.ledger_errors)
         self.usage = UsageCache(self.ledger)  # the reconcile loop's ledger snapshot, behind /metrics
