@@ -71,3 +71,15 @@ async def ranks_settled(url: str, timeout_s: float = 5.0) -> list[dict[str, Any]
             return rows
         await asyncio.sleep(0.02)
     return rows
+
+
+async def emulator_finished(emu_url: str, count: int, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """The emulator's finished requests once ``count`` are recorded: it books a request as finished a
+    moment after the client has read ``[DONE]``, so reading it at once races on a busy machine."""
+    finished: list[dict[str, Any]] = []
+    for _ in range(int(timeout_s / 0.02)):
+        finished = (await get_json(emu_url + "/_emulator/requests"))["finished"]
+        if len(finished) >= count:
+            return finished
+        await asyncio.sleep(0.02)
+    return finished

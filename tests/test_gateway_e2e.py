@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from gateway_support import MODEL, emulator, get_json, ranks_settled, router
+from gateway_support import MODEL, emulator, emulator_finished, get_json, ranks_settled, router
 
 pytestmark = pytest.mark.anyio
 
@@ -84,7 +84,7 @@ async def test_generate_route_and_client_pins_are_ignored() -> None:
                     "data_parallel_rank": -1, "stream": True}  # fmt: skip
             resp = await http.post("/v1/chat/completions", json=chat, headers={"X-data-parallel-rank": "7"})
             assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
-            finished = (await get_json(emu.url + "/_emulator/requests"))["finished"]
+            finished = await emulator_finished(emu.url, 2)
             assert all(0 <= r["rank"] < 4 for r in finished) and len(finished) == 2
             assert (await ranks_settled(url))[0]["reserved_tokens"] == 0
 
