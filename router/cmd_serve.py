@@ -16,7 +16,6 @@ if TYPE_CHECKING:  # the web stack is imported only when serving, so `kvrouter p
     from fastapi import FastAPI
 
 SETTINGS_ENV = "KVROUTER_SERVE_SETTINGS_JSON"  # hands resolved settings to uvicorn worker processes
-GRACEFUL_SHUTDOWN_S = 10
 
 
 def _plain(value: Any) -> Any:
@@ -39,18 +38,24 @@ def run(settings: Settings) -> None:
     import uvicorn
 
     from router.gateway import create_app
+    from router.gateway.limits import HTTP_PROTOCOL
+    from router.gateway.shutdown import GracefulServer
 
     common: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        "http": "httptools",
+        "http": HTTP_PROTOCOL,  # httptools with a bounded request head (router/gateway/limits.py)
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
         "log_level": settings.log_level.lower(),
-        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
+        "timeout_graceful_shutdown": settings.shutdown_grace_s,
         "access_log": False,
     }
-    if settings.workers == 1:
-        uvicorn.run(create_app(settings), **common)
+    if settings.workers == 1:  # SIGTERM drains first: 503s while in-flight requests finish
+        server = GracefulServer(uvicorn.Config(create_app(settings), **common), settings.shutdown_grace_s)
+        server.run()
+        if not server.started:
+            raise SystemExit(3)  # startup failed (uvicorn.run exits the same way)
         return
     from router.telemetry import prepare_multiprocess_dir
 
@@ -82,6 +87,10 @@ def serve_command(
     request_timeout_s: Annotated[float | None, typer.Option("--request-timeout", help="Upstream, s.")] = None,
     connect_timeout_s: Annotated[float | None, typer.Option("--connect-timeout", help="Upstream, s.")] = None,
     max_body_bytes: Annotated[int | None, typer.Option(help="Largest request body (413 above).")] = None,
+    shutdown_grace_s: Annotated[
+        float | None, typer.Option("--shutdown-grace", help="SIGTERM: in-flight may finish, s.")
+    ] = None,
+    max_header_bytes: Annotated[int | None, typer.Option(help="Largest request head (431 above).")] = None,
     reconcile_interval_s: Annotated[float | None, typer.Option("--reconcile-interval", help="s.")] = None,
     lease_ttl_s: Annotated[float | None, typer.Option("--lease-ttl", help="Reservation lease, s.")] = None,
     ledger_failure_mode: Annotated[str | None, typer.Option(help="fail_closed or fail_open.")] = None,
@@ -110,6 +119,8 @@ def serve_command(
             request_timeout_s=request_timeout_s,
             connect_timeout_s=connect_timeout_s,
             max_body_bytes=max_body_bytes,
+            shutdown_grace_s=shutdown_grace_s,
+            max_header_bytes=max_header_bytes,
             reconcile_interval_s=reconcile_interval_s,
             lease_ttl_s=lease_ttl_s,
             ledger_failure_mode=ledger_failure_mode,

@@ -93,6 +93,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     retry_attempts: int = Field(3, ge=1, description="Ranks tried before the first byte reaches the client.")
     reconcile_interval_s: float = Field(1.0, gt=0)
+    probe_interval_s: float = Field(
+        5.0, gt=0, description="A rank tripped by its breaker is probed this often."
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="SIGTERM: in-flight requests may finish this long before being cut."
+    )
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="Largest request head (431 above).")
     workers: int = Field(1, ge=1)
     replicas: int = Field(
         1,

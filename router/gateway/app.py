@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from router.config import Settings
 from router.telemetry import Metrics, multiprocess_dir
 
-from . import info, openai, sglang_generate
+from . import drain, info, openai, sglang_generate
 from .errors import install_error_handlers
 from .fastpath import FastPath
 from .proxy import Proxy
@@ -43,4 +43,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(sglang_generate.router)
     app.include_router(info.router)
+    app.include_router(drain.router)
     return app

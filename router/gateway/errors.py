@@ -14,13 +14,17 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+MAX_WRAPPED_MESSAGE_BYTES = 1000
+
 _TYPES: Mapping[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     502: "upstream_error",
@@ -63,6 +67,27 @@ def error_response(exc: ApiError) -> Response:
         headers=exc.headers,
         media_type="application/json",
     )
+
+
+def upstream_error_body(status: int, body: bytes) -> bytes:
+    """An engine's error answer in the OpenAI shape: kept as is when it already is, wrapped otherwise
+    (a FastAPI ``{"detail": ...}``, SGLang's ``{"object": "error", ...}``, a proxy's plain-text page)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return body
+    message: object = None
+    if isinstance(data, dict):
+        message = data.get("message") or data.get("detail") or data.get("error")
+    if not isinstance(message, str):
+        message = (
+            body[:MAX_WRAPPED_MESSAGE_BYTES].decode("utf-8", "replace").strip()
+            if message is None
+            else str(message)
+        )
+    return error_body(status, message or f"upstream answered HTTP {status}", "upstream_error")
 
 
 def sse_error_event(message: str, code: str, status: int = 502) -> bytes:

@@ -46,8 +46,9 @@ async def health() -> Response:
 @router.get("/ready")
 async def ready(request: Request) -> Response:
     gw = gateway_of(request)
-    ok = gw.ready()
-    body: dict[str, Any] = {"ready": ok, "backends": {}}
+    closing = gw.queue.closed  # shutting down: the load balancer must stop sending here
+    ok = gw.ready() and not closing
+    body: dict[str, Any] = {"ready": ok, "shutting_down": closing, "backends": {}}
     for name in gw.backends:
         info = gw.store.info(name)
         ranks = gw.store.backend_ranks(name)

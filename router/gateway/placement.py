@@ -21,7 +21,7 @@ from router.telemetry_store import TelemetryStore
 
 from .errors import ApiError
 from .flight import Flight, LocalLoad
-from .waitqueue import QueueFull, QueueTimeout, WaitQueue
+from .waitqueue import QueueClosed, QueueFull, QueueTimeout, WaitQueue
 
 GENERATE_ENGINES = frozenset({"sglang"})
 
@@ -77,6 +77,7 @@ class Placer:
         self.retry_after_s = retry_after_s
         self._tick = 0
         self._rng = random.Random()
+        self.drained: set[RankKey] = set()  # operator-drained ranks (router/gateway/drain.py): no new work
 
     def _view(self, key: RankKey, usage: RankUsage | None) -> RankView:
         truth = self.store.rank(key)
@@ -94,6 +95,7 @@ class Placer:
             prefill_requests=max(0, load.prefill_requests),
             engine_used_tokens=truth.engine_used_tokens if truth is not None else None,
             healthy=truth is not None and truth.healthy and usage is not None,
+            draining=key in self.drained,
         )
 
     async def snapshot(self, keys: Sequence[RankKey]) -> Snapshot:
@@ -142,6 +144,10 @@ class Placer:
             ) from None
         except LedgerUnavailable as exc:
             raise ApiError(503, f"ledger unavailable: {exc}", code="ledger_unavailable") from None
+        except QueueClosed:
+            raise ApiError(
+                503, "The router is shutting down.", code="shutting_down", headers={"Retry-After": "1"}
+            ) from None
         self.metrics.queue_wait.labels("placed").observe(time.perf_counter() - start_s)
         self.metrics.placed(key)
         flight.on_placed(self.load, key)

@@ -23,7 +23,7 @@ from router.placement.snapshot import RankKey, RequestShape
 from router.sizing import SizingError
 
 from .auth import check_api_key
-from .errors import ApiError
+from .errors import ApiError, upstream_error_body
 from .flight import Flight
 from .placement import Candidates, candidates
 from .relay import DisconnectWatch, RelayResponse, sum_completion_tokens
@@ -33,6 +33,7 @@ from .runtime import Gateway
 # crashes older SGLang servers) or collides with the ids the router gives the engine.
 STRIPPED_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank", "rid")
 MAX_ERROR_BODY_BYTES = 4096
+NOT_ACTIVE = b"is not active"  # SGLang's "DP rank R is not active." (elastic EP, a rank taken down)
 
 
 @dataclass(slots=True)
@@ -78,6 +79,19 @@ def validate(route: Route, payload: dict[str, Any]) -> str | None:
     """Checks the sizer does not do; returns the requested model (None: /generate without one)."""
     for name in STRIPPED_FIELDS:
         payload.pop(name, None)
+    if "stream" in payload and not isinstance(payload["stream"], bool | None):
+        # Checked on every route: a truthy non-bool would stream upstream but be buffered here.
+        raise ApiError(400, "'stream' must be a boolean.", code="invalid_request", param="stream")
+    options = payload.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict) or not all(isinstance(v, bool | None) for v in options.values())
+    ):
+        raise ApiError(
+            400,
+            "'stream_options' must be an object of booleans, e.g. {\"include_usage\": true}.",
+            code="invalid_request",
+            param="stream_options",
+        )
     model = payload.get("model")
     if model is None and route == "/generate":
         return None
@@ -85,8 +99,6 @@ def validate(route: Route, payload: dict[str, Any]) -> str | None:
         raise ApiError(
             400, "'model' is required and must be a non-empty string.", code="invalid_request", param="model"
         )
-    if "stream" in payload and not isinstance(payload["stream"], bool | None):
-        raise ApiError(400, "'stream' must be a boolean.", code="invalid_request", param="stream")
     return model
 
 
@@ -146,6 +158,9 @@ class Proxy:
                 )
             flight.on_tokens(gw.load, sum_completion_tokens(result.body) if status == 200 else 0)
             headers = dict(_rank_header_str(flight))
+            if status >= 400:  # the engine refused: its words, in the one error shape clients parse
+                body = upstream_error_body(status, result.body)
+                return Response(body, status, headers=headers, media_type="application/json")
             return Response(result.body, status, headers=headers, media_type=result.content_type)
         except ApiError as exc:
             status = exc.status
@@ -173,14 +188,22 @@ class Proxy:
         for attempt in range(gw.settings.retry_attempts):
             key = await gw.placer.place(flight, cands.keys, exclude=tried)
             try:
-                return await self._attempt(flight, payload, key, attempt)
+                result = await self._attempt(flight, payload, key, attempt)
+            except ApiError as exc:
+                if exc.code == "upstream_timeout":
+                    gw.store.report_upstream(key, False, "no answer in time")
+                raise
             except RetryableUpstream as exc:
+                gw.store.report_upstream(key, False, str(exc))  # the rank's breaker (telemetry_store)
                 last = f"{key}: {exc}"
                 tried.append(key)
                 gw.metrics.upstream_errors.labels(key.backend, exc.kind).inc()
                 if attempt + 1 < gw.settings.retry_attempts:
                     gw.metrics.retries.labels(key.backend).inc()
                 await gw.unplace(flight)
+            else:
+                gw.store.report_upstream(key, True)
+                return result
         raise ApiError(502, f"Upstream failed on {len(tried)} rank(s); last: {last}", code="upstream_error")
 
     async def _attempt(
@@ -219,6 +242,10 @@ class Proxy:
             ctype = resp.headers.get("Content-Type", "application/json")
             if resp.status != 200 or not flight.stream or "text/event-stream" not in ctype:
                 body = await resp.read()
+                if resp.status == 400 and NOT_ACTIVE in body:  # SGLang: the rank is down, not the request
+                    raise RetryableUpstream(
+                        f"HTTP 400: {body[:200].decode('utf-8', 'replace')}", "not_active"
+                    )
                 _first_byte(gw, flight, streamed=False)
                 return Buffered(resp.status, body, ctype)
             first = await resp.content.readany()

@@ -147,6 +147,10 @@ class RelayResponse(Response):
             flight.outcome = "upstream_timeout" if isinstance(exc, TimeoutError) else "upstream_error"
             kind = "stream_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
             gw.metrics.upstream_errors.labels(_backend(flight), kind).inc()
+            if gw.queue.closed:  # shutdown cut the upstream after its grace period (gateway/shutdown.py)
+                flight.outcome = "shutdown"
+            elif flight.key is not None:  # the rank died mid-stream: its breaker counts it
+                gw.store.report_upstream(flight.key, False, f"stream broken: {type(exc).__name__}")
             await self._fail(send, exc)
         finally:
             self._watch.stop()
@@ -179,6 +183,8 @@ class RelayResponse(Response):
         """Upstream died mid-stream: tell the client in-band, as the engines do, and end the stream."""
         what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {type(exc).__name__}"
         message = f"upstream {what} after the stream started"
+        if self._flight.outcome == "shutdown":
+            message = "the router is shutting down: the stream was cut after its grace period"
         self._watch.stop()
         try:
             await send(

@@ -34,6 +34,7 @@ from .placement import Placer
 from .waitqueue import WaitQueue
 
 log = logging.getLogger(__name__)
+ABORT_TASK = "kvrouter-abort"
 
 
 def build_sizer(settings: Settings) -> Sizer:
@@ -77,7 +78,9 @@ class Gateway:
             list(self.backends.values()),
             self.store,
             http=self.control,
-            settings=ReconcileSettings(interval_s=settings.reconcile_interval_s),
+            settings=ReconcileSettings(
+                interval_s=settings.reconcile_interval_s, probe_interval_s=settings.probe_interval_s
+            ),
             estimate=self.usage.estimate,
             on_discovered=self._discovered,
         )
@@ -108,6 +111,9 @@ class Gateway:
         for flight in list(self.flights.values()):  # anything still held at shutdown is released
             flight.outcome = "shutdown"
             await self.finish(flight, 503)
+        aborts = [t for t in self._background if t.get_name() == ABORT_TASK]
+        if aborts:  # engine-side aborts already under way get to finish (each bounded by its timeout)
+            await asyncio.wait(aborts, timeout=self.settings.connect_timeout_s)
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -194,7 +200,7 @@ class Gateway:
         backend = self.backends.get(flight.key.backend)
         if backend is None:
             return
-        task = asyncio.create_task(backend.abort(self.control, flight.key.rank, flight.rid))
+        task = asyncio.create_task(backend.abort(self.control, flight.key.rank, flight.rid), name=ABORT_TASK)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

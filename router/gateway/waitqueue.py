@@ -27,12 +27,17 @@ class QueueTimeout(Exception):
     """The deadline passed before room appeared (503)."""
 
 
+class QueueClosed(Exception):
+    """Admission is closed (the router is shutting down): refuse (503)."""
+
+
 class WaitQueue:
     def __init__(self, max_waiting: int, timeout_s: float, poll_s: float = 0.05) -> None:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self._waiters: deque[asyncio.Event] = deque()
+        self.closed = False
 
     @property
     def depth(self) -> int:
@@ -43,11 +48,19 @@ class WaitQueue:
         if self._waiters:
             self._waiters[0].set()
 
+    def close(self) -> None:
+        """Refuse every request from now on, those already waiting included (shutdown)."""
+        self.closed = True
+        for event in self._waiters:
+            event.set()
+
     async def admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
         """Run ``attempt`` now if nobody waits, else (or when it finds no room) wait in line and retry.
 
         ``attempt`` returns None for "no room now" and may raise to refuse outright.
         """
+        if self.closed:
+            raise QueueClosed
         if not self._waiters:
             got = await attempt()
             if got is not None:
@@ -59,6 +72,8 @@ class WaitQueue:
         self._waiters.append(event)
         try:
             while True:
+                if self.closed:
+                    raise QueueClosed
                 head = self._waiters[0] is event
                 if head:
                     got = await attempt()

@@ -1,0 +1,116 @@
+"""Request-head limits at the HTTP parser, before anything reaches the app.
+
+uvicorn's httptools protocol buffers a request head of any size (an 8 MB header or 20,000 headers are
+accepted and handed to the app) and waits for a trickled head forever. :func:`limited_http_protocol`
+is a subclass that answers **431** (JSON error body) once a head grows past ``max_head_bytes`` and
+closes a connection whose head is not complete within ``head_timeout_s`` (slowloris), so neither memory
+nor connections are held by a client that never finishes a request. Bodies are limited in the app
+(``max_body_bytes``, 413), where the route is known.
+
+The head limit comes from ``uvicorn.Config(h11_max_incomplete_event_size=...)`` (uvicorn's name for the
+same limit under h11), so the class can be named by import string for ``--workers N``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .errors import error_body
+
+
+def _raw_response(status_line: bytes, body: bytes) -> bytes:
+    head = (
+        status_line + b"\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+    )
+    return head + body
+
+
+class HeadLimitedHttpTools(HttpToolsProtocol):
+    """httptools with a bound on request-head bytes and on the time a head may take to arrive."""
+
+    max_head_bytes = 64 * 1024
+    head_timeout_s = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's own name for a head limit (h11's); set from Settings.max_header_bytes by `kvrouter serve`
+        self.max_head_bytes = self.config.h11_max_incomplete_event_size or self.max_head_bytes
+        self._head_bytes: int | None = 0  # None while a body (not a head) is being received
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()  # uvicorn times out idle keep-alive, not a new connection that sends nothing
+
+    def data_received(self, data: bytes) -> None:
+        in_head = self._head_bytes is not None
+        if in_head:
+            self._arm_head_timer()
+        super().data_received(data)
+        # Count only chunks that were head from start to end: a chunk that completed a message may
+        # carry body bytes, and one that completed a head is within the limit by construction.
+        if in_head and self._head_bytes is not None and self.transport is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._reject(b"HTTP/1.1 431 Request Header Fields Too Large", 431, "request_header_too_large")
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_bytes = 0
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _responding(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._head_bytes is None:
+            return
+        if self._responding():
+            self._arm_head_timer()  # a pipelined head behind a long stream: judge it once the stream ends
+            return
+        self._reject(b"HTTP/1.1 408 Request Timeout", 408, "request_timeout")
+
+    def _reject(self, status_line: bytes, status: int, code: str) -> None:
+        self._cancel_head_timer()
+        if self.transport.is_closing():
+            return
+        if self._responding():  # never write an error into the middle of another response
+            self.transport.close()
+            return
+        message = (
+            f"Request head larger than {self.max_head_bytes} bytes."
+            if status == 431
+            else f"Request head not received within {self.head_timeout_s:g} s."
+        )
+        self.transport.write(_raw_response(status_line, error_body(status, message, code)))
+        self.transport.close()
+
+
+HTTP_PROTOCOL = "router.gateway.limits:HeadLimitedHttpTools"  # for uvicorn.Config(http=...)
+
+
+def limited_http_protocol(head_timeout_s: float) -> type[HeadLimitedHttpTools]:
+    """The protocol with another head timeout (tests; the default suits production)."""
+    return type("HeadLimitedHttpTools", (HeadLimitedHttpTools,), {"head_timeout_s": head_timeout_s})
