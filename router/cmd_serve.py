@@ -95,6 +95,16 @@ def serve_command(
     lease_ttl_s: Annotated[float | None, typer.Option("--lease-ttl", help="Reservation lease, s.")] = None,
     ledger_failure_mode: Annotated[str | None, typer.Option(help="fail_closed or fail_open.")] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level.")] = None,
+    reservation_mode: Annotated[str | None, typer.Option(help="max or predicted.")] = None,
+    reservation_target_preemption_rate: Annotated[
+        float | None, typer.Option(help="predicted: preemption target of the over-commit budget (0.01).")
+    ] = None,
+    reservation_quantile: Annotated[float | None, typer.Option(help="predicted: quantile (0.5).")] = None,
+    reservation_step_tokens: Annotated[int | None, typer.Option(help="predicted: growth slack (64).")] = None,
+    reservation_bound: Annotated[str | None, typer.Option(help="predicted: normal or bernstein.")] = None,
+    reservation_share_interval_s: Annotated[
+        float | None, typer.Option("--reservation-share-interval", help="Predictor sync via Redis, s.")
+    ] = None,
 ) -> None:
     """Run the KV-aware gateway in front of SGLang / vLLM data-parallel deployments."""
     from router.cli import fail
@@ -125,6 +135,12 @@ def serve_command(
             lease_ttl_s=lease_ttl_s,
             ledger_failure_mode=ledger_failure_mode,
             log_level=log_level,
+            reservation_mode=reservation_mode,
+            reservation_target_preemption_rate=reservation_target_preemption_rate,
+            reservation_quantile=reservation_quantile,
+            reservation_step_tokens=reservation_step_tokens,
+            reservation_bound=reservation_bound,
+            reservation_share_interval_s=reservation_share_interval_s,
         )
         check(settings)
     except (ConfigError, ValueError) as exc:

@@ -20,6 +20,8 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from router.backends.base import BackendSpec
 from router.ledger.factory import check_failure_mode, check_namespace
+from router.reservation import PredictorConfig, ReservationMode, ReservationSettings
+from router.reservation.overcommit import BOUNDS
 
 
 class ConfigError(ValueError):
@@ -113,6 +115,19 @@ class Settings(BaseSettings):
         "fail_closed", description="Redis unreachable: fail_closed = refuse (503), fail_open = local shares."
     )
     log_level: str = "info"
+    # Output reservations (router.reservation, docs/reservations.md): max_tokens, or a learned quantile.
+    reservation_mode: str = Field("max", description="max = prompt + max_tokens; predicted = learned.")
+    reservation_target_preemption_rate: float = Field(
+        0.01, gt=0, lt=1, description="predicted: bound on a rank outgrowing its pool, per placement."
+    )
+    reservation_quantile: float = Field(0.5, gt=0, lt=1, description="predicted: quantile reserved.")
+    reservation_step_tokens: int = Field(
+        64, ge=0, description="predicted: slack per growth, so page size 1 is not a ledger write per token."
+    )
+    reservation_bound: str = Field("normal", description="Over-commit headroom bound: normal or bernstein.")
+    reservation_share_interval_s: float = Field(
+        5.0, gt=0, description="predicted with redis_url: how often replicas exchange what they learned."
+    )
 
     @field_validator("backends", "api_keys", mode="before")
     @classmethod
@@ -129,6 +144,19 @@ class Settings(BaseSettings):
     def _namespace(cls, value: str) -> str:
         return check_namespace(value)
 
+    @field_validator("reservation_mode")
+    @classmethod
+    def _reservation_mode(cls, value: str) -> str:
+        return ReservationMode.parse(value).value
+
+    @field_validator("reservation_bound")
+    @classmethod
+    def _reservation_bound(cls, value: str) -> str:
+        bound = value.strip().lower()
+        if bound not in BOUNDS:
+            raise ValueError(f"unknown reservation bound {value!r} (known: {', '.join(BOUNDS)})")
+        return bound
+
     @field_validator("backends")
     @classmethod
     def _valid_backends(cls, value: list[str]) -> list[str]:
@@ -144,6 +172,15 @@ class Settings(BaseSettings):
 
     def backend_specs(self) -> list[BackendSpec]:
         return [BackendSpec.parse(text, i) for i, text in enumerate(self.backends)]
+
+    def reservation_settings(self) -> ReservationSettings:
+        return ReservationSettings(
+            mode=ReservationMode.parse(self.reservation_mode),
+            target_preemption_rate=self.reservation_target_preemption_rate,
+            step_tokens=self.reservation_step_tokens,
+            predictor=PredictorConfig(quantile=self.reservation_quantile),
+            bound=self.reservation_bound,
+        )
 
     @classmethod
     def settings_customise_sources(

@@ -8,10 +8,12 @@ them, updated by the flight at placement, first byte, each counted batch of toke
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
 from router.placement.snapshot import RankKey, RequestShape
+from router.reservation.book import Plan
 from router.sizing import Sized
 
 
@@ -52,6 +54,8 @@ class Flight:
     finished: bool = False
     outcome: str = "ok"
     model: str = ""  # metrics label: a served model (set once the request was matched to backends)
+    plan: Plan | None = None  # output reservation plan (None: not followed by the reservation book)
+    grow_at_tokens: int = sys.maxsize  # generated tokens at which to look at growth next
 
     def on_placed(self, load: LocalLoad, key: RankKey) -> None:
         self.key = key
@@ -87,3 +91,4 @@ class Flight:
         self.generated_tokens = 0
         self.reported_tokens = 0
         self.grown_tokens = 0
+        self.grow_at_tokens = sys.maxsize

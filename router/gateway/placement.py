@@ -16,11 +16,13 @@ from router.ledger.base import Ledger, LedgerUnavailable, RankUsage
 from router.placement.admission import Action, RejectReason, decide
 from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, Snapshot
+from router.reservation.book import ReservationBook
 from router.telemetry import Metrics
 from router.telemetry_store import TelemetryStore
 
 from .errors import ApiError
 from .flight import Flight, LocalLoad
+from .output_plan import growth_check_at
 from .waitqueue import QueueClosed, QueueFull, QueueTimeout, WaitQueue
 
 GENERATE_ENGINES = frozenset({"sglang"})
@@ -67,8 +69,10 @@ class Placer:
         queue: WaitQueue,
         metrics: Metrics,
         retry_after_s: int = 1,
+        book: ReservationBook | None = None,
     ) -> None:
         self.ledger = ledger
+        self.book = book  # output reservations: headroom at placement, what each request holds
         self.store = store
         self.policy = policy
         self.load = load
@@ -106,6 +110,9 @@ class Placer:
     async def _attempt(self, flight: Flight, keys: Sequence[RankKey]) -> RankKey | None:
         """One placement try: None = no room now; raises ApiError when the request can never run."""
         snap = await self.snapshot(keys)
+        book, plan = self.book, flight.plan
+        if book is not None and plan is not None:  # predicted: keep each rank's over-commit headroom free
+            snap = book.adjust(snap, plan)
         decision = decide(snap, flight.shape, self.policy)
         if decision.action is Action.REJECT:
             if decision.reason is RejectReason.NO_HEALTHY_RANK:
@@ -115,7 +122,12 @@ class Placer:
             return None
         chosen = [snap.ranks[i] for i in decision.candidates]
         tokens = flight.shape.reserve_tokens(max(r.page_size for r in chosen))
-        return await self.ledger.reserve(flight.request_id, [r.key for r in chosen], tokens)
+        key = await self.ledger.reserve(flight.request_id, [r.key for r in chosen], tokens)
+        if key is not None and book is not None and plan is not None:
+            book.placed(flight.request_id, plan, key, tokens)
+            page = snap.ranks[snap.index_of(key)].page_size
+            flight.grow_at_tokens = growth_check_at(book, flight.request_id, 0, page)
+        return key
 
     async def place(
         self, flight: Flight, keys: Sequence[RankKey], exclude: Collection[RankKey] = ()

@@ -25,6 +25,7 @@ from router.sizing import SizingError
 from .auth import check_api_key
 from .errors import ApiError, upstream_error_body
 from .flight import Flight
+from .output_plan import output_hint, plan_request
 from .placement import Candidates, candidates
 from .relay import DisconnectWatch, RelayResponse, sum_completion_tokens
 from .runtime import Gateway
@@ -139,10 +140,12 @@ class Proxy:
             sized = gw.sizer.size(route, payload, cands.context_tokens)
         except SizingError as exc:
             raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
-        set_output_limit(route, payload, sized.output_limit_tokens)
-        shape = RequestShape(sized.prompt_tokens, sized.output_tokens, entropy=gw.placer.entropy())
+        set_output_limit(route, payload, sized.output_limit_tokens)  # the client's limit, not the prediction
         stream = payload.get("stream") is True
-        flight = Flight(uuid.uuid4().hex, route, sized, shape, stream, model=model or "")
+        plan = plan_request(gw.book, route, model or "", sized, output_hint(request.headers), stream)
+        output_tokens = sized.output_tokens if plan is None else plan.output_tokens * sized.sequences
+        shape = RequestShape(sized.prompt_tokens, output_tokens, entropy=gw.placer.entropy())
+        flight = Flight(uuid.uuid4().hex, route, sized, shape, stream, model=model or "", plan=plan)
         watch = DisconnectWatch(request.receive)
         gw.begin(flight)
         handed_off = False

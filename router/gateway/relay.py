@@ -172,7 +172,8 @@ class RelayResponse(Response):
                 if last_token_s is not None:
                     observe_spread(itl, now_s - last_token_s, new)
                 last_token_s = now_s
-                if flight.generated_tokens - flight.reported_tokens >= REPORT_EVERY_TOKENS:
+                batch = flight.generated_tokens - flight.reported_tokens >= REPORT_EVERY_TOKENS
+                if batch or flight.generated_tokens >= flight.grow_at_tokens:  # or growth due (predicted)
                     await gw.report_tokens(flight)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             chunk = await content.readany()

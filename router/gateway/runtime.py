@@ -30,6 +30,7 @@ from router.telemetry_state import RankRow, RankStateCollector, UsageCache, rank
 from router.telemetry_store import TelemetryStore
 
 from .flight import Flight, LocalLoad
+from .output_plan import build_book, growth_check_at, learned_tokens
 from .placement import Placer
 from .waitqueue import WaitQueue
 
@@ -69,8 +70,15 @@ class Gateway:
         self.store = TelemetryStore()
         self.load = LocalLoad()
         self.queue = WaitQueue(settings.queue_max, settings.queue_timeout_s)
+        self.book, self.share = build_book(settings)  # output reservations (max | predicted)
         self.placer = Placer(
-            self.ledger, self.store, get_policy(settings.policy), self.load, self.queue, metrics
+            self.ledger,
+            self.store,
+            get_policy(settings.policy),
+            self.load,
+            self.queue,
+            metrics,
+            book=self.book,
         )
         self.flights: dict[str, Flight] = {}
         self.control = httpx.AsyncClient(timeout=settings.connect_timeout_s)
@@ -100,6 +108,10 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         await self.reconciler.start()
         self._renewer = asyncio.create_task(self._renew_loop(), name="kvrouter-lease-renew")
+        if self.share is not None:  # cancelled with the other background tasks at stop
+            share = asyncio.create_task(self.share.run(self.settings.reservation_share_interval_s))
+            self._background.add(share)
+            share.add_done_callback(self._background.discard)
         await self.metrics.start()
 
     async def stop(self) -> None:
@@ -122,6 +134,8 @@ class Gateway:
             await self.session.close()
         await self.control.aclose()
         await self.ledger.close()
+        if self.share is not None:
+            await self.share.close()
         await self.metrics.stop()
 
     async def _discovered(self, info: BackendInfo) -> None:
@@ -147,6 +161,7 @@ class Gateway:
 
     async def unplace(self, flight: Flight) -> None:
         """Give back a rank before retrying elsewhere."""
+        self.book.finished(flight.request_id, None)
         flight.on_unplaced(self.load)
         await self._release(flight.request_id)
 
@@ -158,6 +173,7 @@ class Gateway:
         self.flights.pop(flight.request_id, None)
         if flight.generated_tokens:
             self.metrics.generated.inc(flight.generated_tokens)
+        self.book.finished(flight.request_id, learned_tokens(flight, status))
         flight.on_unplaced(self.load)
         await self._release(flight.request_id)
         self.metrics.finished(flight.route, flight.model, status, time.perf_counter() - flight.arrived_s)
@@ -172,22 +188,23 @@ class Gateway:
         self.queue.wake()
 
     async def report_tokens(self, flight: Flight) -> None:
-        """Tell the ledger how far generation got; grow the reservation past its prediction (rare)."""
+        """Tell the ledger how far generation got; grow the reservation once it no longer holds the next
+        token (the book says by how much: whole pages, plus the configured step)."""
         delta = flight.generated_tokens - flight.reported_tokens
         if delta <= 0 or flight.key is None:
             return
-        flight.reported_tokens = flight.generated_tokens
+        flight.reported_tokens = generated = flight.generated_tokens
+        rid, page = flight.request_id, self._page_size(flight.key)
         try:
-            await self.ledger.add_generated(flight.request_id, delta)
-            page = self._page_size(flight.key)
-            need = flight.shape.prompt_tokens + flight.generated_tokens
-            have = flight.shape.reserve_tokens(page) + flight.grown_tokens
-            if need > have:
-                step = -(-(need - have) // page) * page
-                if await self.ledger.grow(flight.request_id, step):
-                    flight.grown_tokens += step
+            await self.ledger.add_generated(rid, delta)
+            step = self.book.growth(rid, generated, page)
+            if step:
+                ok = await self.ledger.grow(rid, step)
+                self.book.grown(rid, step, ok)
+                flight.grown_tokens += step if ok else 0
         except LedgerUnavailable as exc:
-            log.debug("token report for %s failed: %s", flight.request_id, exc)
+            log.debug("token report for %s failed: %s", rid, exc)
+        flight.grow_at_tokens = growth_check_at(self.book, rid, generated, page)
 
     def _page_size(self, key: RankKey) -> int:
         info = self.store.info(key.backend)
