@@ -2,9 +2,12 @@
 
 Two books: ``owned`` mirrors the reservations this replica holds *in Redis* (needed to put them back if
 Redis restarts empty, and to count them against the local share), and ``local`` is an in-process ledger
-of the reservations made *while Redis was down* (``fail_open``). A replica's local share of a rank is
-``capacity // replicas`` minus what it already holds there in Redis, so N replicas that all lose Redis
-at once still stay within the rank's capacity in total.
+of the reservations made *while Redis was down* (``fail_open``). A replica's share of a rank is what it
+held there at its last Redis read plus an equal slice (``// replicas``) of the room free then; it books
+locally what its share leaves after its current holdings. N replicas that all lose Redis at once thus
+add at most the room that was free, together, whatever split of the rank they held (a plain
+``capacity // replicas`` would let the replica holding less than its half add a half while the other
+already held more). Before any read the baseline is empty: the share is ``capacity // replicas``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class LocalShare:
         self.owned: dict[str, Held] = {}
         self._owned_tokens: dict[RankKey, int] = {}
         self._owned_count: dict[RankKey, int] = {}
+        self._baseline: dict[RankKey, tuple[int, int]] = {}  # last Redis read: (all reserved, ours)
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
         self.local = InMemoryLedger(lease_ttl_s=lease_ttl_s, clock=clock)
@@ -44,7 +48,24 @@ class LocalShare:
         self._set_local_capacity(capacities)
 
     def share_tokens(self, key: RankKey) -> int:
-        return self.capacity_tokens[key] // self.replicas
+        reserved_tokens, ours_tokens = self._baseline.get(key, (0, 0))
+        return ours_tokens + max(0, self.capacity_tokens[key] - reserved_tokens) // self.replicas
+
+    def within_share(self, candidates: Sequence[RankKey], tokens: int) -> list[RankKey]:
+        """The candidates where ``tokens`` more still fit this replica's share (after its holdings)."""
+        local = self.local.usage_now()
+        return [
+            k
+            for k in candidates
+            if k in self.capacity_tokens
+            and self._owned_tokens.get(k, 0) + (local[k].reserved_tokens if k in local else 0) + tokens
+            <= self.share_tokens(k)
+        ]
+
+    def observe(self, reserved_tokens: dict[RankKey, int]) -> None:
+        """A successful Redis read: remember every rank's total and this replica's part of it."""
+        for key, total in reserved_tokens.items():
+            self._baseline[key] = (total, self._owned_tokens.get(key, 0))
 
     # --- reservations this replica holds in Redis -------------------------------------------------
     def own(self, request_id: str, key: RankKey, tokens: int, generated_tokens: int = 0) -> None:

@@ -10,12 +10,17 @@ While Redis is unreachable (error, timeout or open circuit):
 * ``fail_closed``: every call raises :class:`LedgerUnavailable` (the gateway answers 503), except
   ``release`` — it never raises: a release that cannot reach Redis is queued and sent with the next
   successful ``renew``/``expire``/``close``, and returns True — and ``close``.
-* ``fail_open``: ``reserve`` books against this replica's local share of each rank (``capacity //
-  replicas`` minus what it already holds in Redis); ``usage`` reports that share; ``grow`` of a Redis-held
+* ``fail_open``: ``reserve`` books against this replica's local share of each rank (what it held at its
+  last ``usage`` read plus ``// replicas`` of the room free then, minus what it holds now; see
+  :mod:`router.ledger.local_share`); ``usage`` reports that share; ``grow`` of a Redis-held
   reservation returns False; ``renew``/``expire`` only act locally. Reconciliation, on the first
   successful round trip afterwards: the local reservations still running are written into Redis (even
   past capacity: they run on the engine) and become ordinary Redis reservations; those that ended
   meanwhile are released locally and never reach Redis.
+
+For ``settle_s`` after such a resync (default twice ``retry_after_s``: long enough for every other live
+replica to reconnect and write its own back), ``reserve`` keeps to this replica's share even in Redis:
+until then Redis may miss what the others booked while it was away (or lost in a restart).
 
 In both modes, if Redis lost this replica's live reservations (restart without persistence) or reclaimed
 them (this replica stalled past the TTL), the next ``renew`` or resync writes them back, so other replicas
@@ -26,6 +31,7 @@ expires within the TTL, and each one is written back only while its owner keeps 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -62,6 +68,7 @@ class RedisLedger:
         failure_mode: str = "fail_closed",
         replicas: int = 1,
         retry_after_s: float = 1.0,
+        settle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if failure_mode not in ("fail_closed", "fail_open"):
@@ -71,6 +78,8 @@ class RedisLedger:
         self._ttl_ms = max(1, round(lease_ttl_s * 1000))
         self.failure_mode = failure_mode
         self.retry_after_s = retry_after_s
+        self.settle_s = 2 * retry_after_s if settle_s is None else settle_s
+        self._settle_until_s = 0.0
         self._clock = clock
         self._share = LocalShare(replicas=replicas, lease_ttl_s=lease_ttl_s, clock=clock)
         self._pending_release: set[str] = set()
@@ -94,6 +103,7 @@ class RedisLedger:
         socket_timeout_s: float = 0.25,
         connect_timeout_s: float = 1.0,
         retry_after_s: float = 1.0,
+        settle_s: float | None = None,
         max_connections: int = 64,
     ) -> RedisLedger:
         """Client with a bounded pool, a timeout on every call and no client-side retries (we fail over).
@@ -118,6 +128,7 @@ class RedisLedger:
             failure_mode=failure_mode,
             replicas=replicas,
             retry_after_s=retry_after_s,
+            settle_s=settle_s,
         )
 
     @property
@@ -221,6 +232,8 @@ class RedisLedger:
                 await self._sync_if_needed()
                 usage = self._parse_usage(await self._eval(lua.USAGE, [USAGE_EXPIRE_BATCH]))
                 if all(key in usage for key in self._share.capacity_tokens):
+                    if not self._settling():  # while settling Redis may miss others' part: keep the old view
+                        self._share.observe({key: u.reserved_tokens for key, u in usage.items()})
                     return usage
                 self._needs_resync = True  # Redis lost registered ranks (restart): put them back, look again
             return usage
@@ -254,7 +267,18 @@ class RedisLedger:
         except _UNAVAILABLE_ERRORS as exc:
             self._down_until_s = self._clock() + self.retry_after_s
             self._needs_resync = True
+            await self._drop_idle_connections()
             raise LedgerUnavailable(f"Redis ledger unreachable: {exc}") from exc
+
+    async def _drop_idle_connections(self) -> None:
+        """Every idle pooled connection leads to the server that just failed. Kept, each would fail once
+        when load next reached it (Redis restarted: "Connection closed by server"), re-opening the circuit
+        every time: seconds of refusals after Redis is back. The next call opens a fresh one instead."""
+        with contextlib.suppress(Exception):
+            await self._client.connection_pool.disconnect(inuse_connections=False)
+
+    def _settling(self) -> bool:
+        return self._clock() < self._settle_until_s
 
     async def _guard(self, call: Awaitable[_T], fallback: _T) -> _T:
         """Apply the failure mode to a call that has a harmless fallback in ``fail_open``."""
@@ -268,6 +292,10 @@ class RedisLedger:
     async def _reserve_in_redis(
         self, request_id: str, candidates: Sequence[RankKey], tokens: int
     ) -> RankKey | None:
+        if self._settling():
+            candidates = self._share.within_share(candidates, tokens)
+            if not candidates:
+                return None
         args: list[str | int] = [request_id, tokens, self._ttl_ms, RESERVE_EXPIRE_BATCH]
         args += map(self._field, candidates)
         try:
@@ -342,6 +370,7 @@ class RedisLedger:
             args += [rid, self._field(r.key), r.tokens, r.generated_tokens]
         await self._eval(lua.RESYNC, args)
         self._needs_resync = False
+        self._settle_until_s = self._clock() + self.settle_s
         # Released while the write was in flight (its RELEASE may have reached Redis first): release again.
         self._pending_release.update(rid for rid in written if rid not in self._share.owned)
         for rid, r in migrating.items():
