@@ -167,7 +167,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _workers_need_shared_ledger(self) -> Settings:
         if self.workers > 1 and not self.redis_url:
-            raise ValueError("workers > 1 needs redis_url: in-process ledgers would each admit all capacity")
+            raise ValueError(
+                "workers > 1 needs redis_url (--redis-url): in-process ledgers would each admit all capacity"
+            )
         return self
 
     def backend_specs(self) -> list[BackendSpec]:
@@ -206,4 +208,5 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(f"{where}: {err['msg']}") from None
+        message = str(err["msg"]).removeprefix("Value error, ")  # pydantic's prefix for a ValueError
+        raise ConfigError(f"{where}: {message}") from None

@@ -45,6 +45,7 @@ from test_replicas_support import (
 
 from loadtest.bench.redis_proc import RedisServer, redis_server_binary
 from loadtest.emulator.host import EmulatorThread
+from router.config import ConfigError, load_settings
 from router.ledger.redis import RedisLedger
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.timeout(60)]
@@ -240,3 +241,18 @@ def test_workers_without_redis_refuse_to_start() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvrouter: error:") and "redis" in lines[0], out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"ledger_namespace": "a b"}, "ledger_namespace: ledger namespace must be"),
+        ({"ledger_namespace": "{x}"}, "ledger_namespace: ledger namespace must be"),
+        ({"replicas": 0}, "replicas:"),
+        ({"workers": 2}, "settings: workers > 1 needs redis_url (--redis-url)"),
+    ],
+)
+def test_replica_settings_refuse_bad_values_in_one_line(flags: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(backends=["sglang=http://127.0.0.1:9"], **flags)
+    assert str(info.value).startswith(needle) and "\n" not in str(info.value), str(info.value)
