@@ -194,12 +194,15 @@ class Sizer:
                 param="messages" if route == "/v1/chat/completions" else "prompt",
                 code="context_length_exceeded",
             )
-        room = max(1, context_tokens - longest)
+        room = max(1, context_tokens - surely)  # the safety factor must not cut the client's output short
         per_seq = min(self.default_max_tokens if limit is None else limit, room)
         sequences = len(prompt.per_sequence_tokens) * n
+        # The engine holds at most the context window for one sequence: an inflated estimate reserves no
+        # more (a prompt that fits would otherwise be refused as too large for every rank).
+        prompt_cap = context_tokens - per_seq
         return Sized(
             # n samples of one prompt share its prefix pages in both engines; outputs are per sample.
-            prompt_tokens=sum(prompt.per_sequence_tokens),
+            prompt_tokens=sum(min(t, prompt_cap) for t in prompt.per_sequence_tokens),
             output_tokens=per_seq * sequences,
             sequences=sequences,
             output_limit_tokens=per_seq,

@@ -74,7 +74,28 @@ def test_prompt_longer_than_context_is_refused() -> None:
 def test_estimate_refuses_only_what_surely_exceeds_the_context() -> None:
     # 4,000 bytes ~ 1,000 tokens; x1.25 = 1,250 > 1,100, but the estimate alone must not refuse it.
     sized = est().size("/v1/completions", {"prompt": "a" * 4000, "max_tokens": 10}, 1100)
-    assert sized.prompt_tokens == 1250 and sized.output_tokens == 1
+    assert sized.output_tokens == 10  # room from the unscaled estimate (1,000 tokens): the limit stands
+    assert sized.prompt_tokens + sized.output_tokens == 1100  # clamped to what one sequence can hold
+
+
+def test_inflated_estimate_reserves_at_most_the_context_window() -> None:
+    # The bench's long-context-mix case: ~128k real tokens in a 163,840-token window. The estimate x1.25
+    # (~164k) exceeds the window; the reservation must stop at the window (the engine cannot hold more
+    # for one sequence), and the request must not be refused.
+    context_tokens = 163_840
+    body = {"messages": [{"role": "user", "content": "word " * 105_000}], "max_tokens": 2000}
+    sized = est().size("/v1/chat/completions", body, context_tokens)
+    assert est().count_text("word " * 105_000) > context_tokens  # the inflated estimate alone overflows
+    assert sized.sequences == 1 and sized.output_limit_tokens == 2000  # the client's limit, not cut
+    assert sized.prompt_tokens + sized.output_tokens == context_tokens
+
+
+def test_clamp_applies_per_sequence_of_a_batch() -> None:
+    body = {"prompt": ["a" * 4000, "b" * 40], "max_tokens": 10}
+    sized = est().size("/v1/completions", body, 1100)
+    # per sequence: min(prompt, window - output); the short prompt keeps its own estimate
+    assert sized.prompt_tokens == (1100 - sized.output_limit_tokens) + est().count_text("b" * 40)
+    assert sized.prompt_tokens + sized.output_tokens <= 2 * 1100
 
 
 @pytest.mark.parametrize(
