@@ -29,6 +29,10 @@ def _raw_response(status_line: bytes, body: bytes) -> bytes:
     return head + body
 
 
+class HeadTooLarge(Exception):
+    """Raised from a parser callback; httptools turns it into a parse error, answered 431."""
+
+
 class HeadLimitedHttpTools(HttpToolsProtocol):
     """httptools with a bound on request-head bytes and on the time a head may take to arrive."""
 
@@ -41,6 +45,8 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         self.max_head_bytes = self.config.h11_max_incomplete_event_size or self.max_head_bytes
         self._head_bytes: int | None = 0  # None while a body (not a head) is being received
         self._head_timer: asyncio.TimerHandle | None = None
+        self._heads_done = 0
+        self._head_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -50,18 +56,30 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         in_head = self._head_bytes is not None
         if in_head:
             self._arm_head_timer()
+        heads = self._heads_done
         super().data_received(data)
-        # Count only chunks that were head from start to end: a chunk that completed a message may
-        # carry body bytes, and one that completed a head is within the limit by construction.
-        if in_head and self._head_bytes is not None and self.transport is not None:
+        # Count only chunks in which no head completed: such a chunk is all head bytes (a chunk that
+        # completed a head is within the limit by construction, and may carry body bytes).
+        if in_head and heads == self._heads_done and self._head_bytes is not None:
             self._head_bytes += len(data)
             if self._head_bytes > self.max_head_bytes:
                 self._reject(b"HTTP/1.1 431 Request Header Fields Too Large", 431, "request_header_too_large")
 
     def on_headers_complete(self) -> None:
+        self._heads_done += 1
         self._head_bytes = None
         self._cancel_head_timer()
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.max_head_bytes:  # a head that arrived whole in one read
+            self._head_too_large = True
+            raise HeadTooLarge  # the parser reports it as a parse error: see send_400_response
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_too_large:
+            self._reject(b"HTTP/1.1 431 Request Header Fields Too Large", 431, "request_header_too_large")
+        else:
+            super().send_400_response(msg)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -205,7 +205,8 @@ class Proxy:
                     gw.metrics.retries.labels(key.backend).inc()
                 await gw.unplace(flight)
             else:
-                gw.store.report_upstream(key, True)
+                if isinstance(result, Buffered):  # a stream counts as served once it ends well (relay)
+                    gw.store.report_upstream(key, True)
                 return result
         raise ApiError(502, f"Upstream failed on {len(tried)} rank(s); last: {last}", code="upstream_error")
 

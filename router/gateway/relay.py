@@ -138,6 +138,8 @@ class RelayResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self._raw})
             await self._pump(send)
             flight.outcome = "ok"
+            if flight.key is not None:  # served to the end: the rank's breaker closes
+                gw.store.report_upstream(flight.key, True)
         except asyncio.CancelledError:
             if not self._watch.absorb():
                 flight.outcome = "cancelled"

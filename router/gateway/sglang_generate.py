@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from .openapi_schemas import GENERATE, json_body
 from .state import proxy_of
 
 router = APIRouter()
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=json_body(GENERATE))
 async def generate(request: Request) -> Response:
     return await proxy_of(request).handle(request, "/generate")
