@@ -13,14 +13,17 @@ import openai
 import orjson
 import pytest
 from gateway_support import MODEL, emulator, get_json, ranks_settled, router
+from typer.testing import CliRunner
 
 from router.backends.base import BackendInfo
-from router.config import Settings
+from router.cli import app
+from router.config import ConfigError, Settings, load_settings
 from router.gateway.flight import Flight
 from router.gateway.output_plan import plan_request
 from router.gateway.runtime import Gateway
 from router.placement.snapshot import RankKey, RequestShape
 from router.reservation.histogram import bin_of, bin_upper_tokens
+from router.reservation.modes import ReservationMode
 from router.reservation.predictor import RequestKey
 from router.sizing import Sized, Sizer
 from router.telemetry import Metrics
@@ -34,6 +37,24 @@ PROMPT_IDS = list(range(1, 101))  # 100 prompt tokens, counted exactly (token id
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# ---- settings and flags ------------------------------------------------------------------------------------
+async def test_reservation_settings_default_to_max_and_refuse_bad_values_in_one_line() -> None:
+    default = Settings()
+    assert (
+        default.reservation_settings().mode is ReservationMode.MAX and default.reservation_step_tokens == 64
+    )
+    s = load_settings(reservation_mode=" Predicted ", reservation_bound="BERNSTEIN", reservation_quantile=0.3)
+    res = s.reservation_settings()
+    assert (res.mode, res.bound, res.predictor.quantile) == (ReservationMode.PREDICTED, "bernstein", 0.3)
+    for bad in ({"reservation_mode": "guess"}, {"reservation_quantile": 1.0}, {"reservation_bound": "loose"},
+                {"reservation_target_preemption_rate": 0}, {"reservation_step_tokens": -1},
+                {"reservation_share_interval_s": 0}):  # fmt: skip
+        with pytest.raises(ConfigError, match="reservation_"):
+            load_settings(**bad)
+    result = CliRunner().invoke(app, ["serve", "--backend", "sglang=http://x", "--reservation-mode", "guess"])
+    assert result.exit_code == 2 and "unknown reservation mode 'guess'" in result.output
 
 
 # ---- report_tokens, token by token, against the real ledger (no HTTP) ------------------------------------
