@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -26,16 +27,31 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def configure_router_logging(level: str) -> None:
+    """uvicorn configures only its own loggers: without a handler here the router's INFO lines
+    (discovery, breaker probes, the shutdown drain) are dropped and its warnings print bare."""
+    logger = logging.getLogger("router")
+    numeric = logging.getLevelName(level.upper())
+    logger.setLevel(numeric if isinstance(numeric, int) else logging.DEBUG)  # uvicorn's "trace" = debug
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def app_from_env() -> FastAPI:
     """uvicorn factory for ``--workers N`` (each worker process builds its own app from the same settings)."""
     from router.gateway import create_app
 
-    data = orjson.loads(os.environ[SETTINGS_ENV])
-    return create_app(Settings(**data))
+    settings = Settings(**orjson.loads(os.environ[SETTINGS_ENV]))
+    configure_router_logging(settings.log_level)
+    return create_app(settings)
 
 
 def run(settings: Settings) -> None:
     import uvicorn
+
+    configure_router_logging(settings.log_level)
 
     from router.gateway import create_app
     from router.gateway.limits import HTTP_PROTOCOL

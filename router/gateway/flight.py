@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.placement.snapshot import RankKey, RequestShape
@@ -56,6 +57,7 @@ class Flight:
     model: str = ""  # metrics label: a served model (set once the request was matched to backends)
     plan: Plan | None = None  # output reservation plan (None: not followed by the reservation book)
     grow_at_tokens: int = sys.maxsize  # generated tokens at which to look at growth next
+    cut: Callable[[], None] | None = None  # ends the relay now, with an in-band error (shutdown)
 
     def on_placed(self, load: LocalLoad, key: RankKey) -> None:
         self.key = key

@@ -128,6 +128,7 @@ class RelayResponse(Response):
         self._gw = gateway
         self._flight = flight
         self._upstream = upstream
+        flight.cut = self._cut
         self._first = first_chunk
         self._watch = watch
         self._raw = SSE_HEADERS + extra_headers
@@ -200,6 +201,10 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass
+
+    def _cut(self) -> None:
+        """Wake the pump with an error (a local close does not wake a pending aiohttp read)."""
+        self._upstream.content.set_exception(aiohttp.ClientPayloadError("cut by the router's shutdown"))
 
     async def _close_upstream(self, gw: Gateway, flight: Flight) -> None:
         upstream = self._upstream

@@ -59,12 +59,10 @@ async def drain_gateway(gw: Gateway, grace_s: float, settle_s: float = SETTLE_S)
     if cut:
         log.warning("shutdown: grace period over, aborting %d request(s) upstream", cut)
         for flight in list(gw.flights.values()):
-            gw.abort_upstream(flight)
-        if gw.session is not None and gw.session.connector is not None:
-            # Every upstream connection still open belongs to a request being cut: closing them ends each
-            # relay with an in-band error (and makes the engine abort); a request between placement and
-            # its POST fails to connect, cannot be placed again (admission is closed) and gets a 503.
-            await gw.session.connector.close()
+            if flight.cut is not None:  # a stream: it ends with an in-band error, closes and aborts upstream
+                flight.cut()
+            else:  # not streaming yet: SGLang aborts by id; what is left is cancelled by uvicorn and released
+                gw.abort_upstream(flight)
         await _wait_idle(gw, settle_s)
     report = DrainReport(start, cut, len(gw.flights))
     log.info(
