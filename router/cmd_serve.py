@@ -110,6 +110,7 @@ def serve_command(
     reconcile_interval_s: Annotated[float | None, typer.Option("--reconcile-interval", help="s.")] = None,
     lease_ttl_s: Annotated[float | None, typer.Option("--lease-ttl", help="Reservation lease, s.")] = None,
     ledger_failure_mode: Annotated[str | None, typer.Option(help="fail_closed or fail_open.")] = None,
+    ledger_timeout_s: Annotated[float | None, typer.Option("--ledger-timeout", help="Redis call, s.")] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level.")] = None,
     reservation_mode: Annotated[str | None, typer.Option(help="max or predicted.")] = None,
     reservation_target_preemption_rate: Annotated[
@@ -150,6 +151,7 @@ def serve_command(
             reconcile_interval_s=reconcile_interval_s,
             lease_ttl_s=lease_ttl_s,
             ledger_failure_mode=ledger_failure_mode,
+            ledger_timeout_s=ledger_timeout_s,
             log_level=log_level,
             reservation_mode=reservation_mode,
             reservation_target_preemption_rate=reservation_target_preemption_rate,

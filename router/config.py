@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     ledger_failure_mode: str = Field(
         "fail_closed", description="Redis unreachable: fail_closed = refuse (503), fail_open = local shares."
     )
+    ledger_timeout_s: float = Field(
+        0.25, gt=0, description="Bound on each Redis call; a slower reply counts as an outage (for 1 s)."
+    )
     log_level: str = "info"
     # Output reservations (router.reservation, docs/reservations.md): max_tokens, or a learned quantile.
     reservation_mode: str = Field("max", description="max = prompt + max_tokens; predicted = learned.")

@@ -180,7 +180,8 @@ async def test_a_replica_killed_mid_load_loses_its_reservations_within_the_ttl(
         print(f"kill -9 with {len(present)} reservations held: reclaimed {reclaim_s:.2f} s later "
               f"(TTL {LEASE_TTL_S} s); B served {b_ok_at_kill} before, {after} after")  # fmt: skip
         assert reclaim_s <= LEASE_TTL_S + 0.3
-        assert not b_tally.errors and set(b_tally.statuses) == {200}, b_tally
+        refused = (b_tally.statuses, b_tally.reasons(), b.log_tail())
+        assert not b_tally.errors and set(b_tally.statuses) == {200}, refused
         assert b_ok_at_reclaim > b_ok_at_kill and b_tally.ok > b_ok_at_reclaim, b_tally
         assert_engine_clean(watch, stats)
         assert all(v == (0, 0) for v in usage.values()), usage

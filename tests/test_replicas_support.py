@@ -73,8 +73,8 @@ class Replica:
 def serve_args(backend_url: str, redis_url: str | None, *extra: str) -> list[str]:
     args = [KVROUTER, "serve", "--backend", f"sglang={backend_url}", "--log-level", "warning"]
     args += ["--reconcile-interval", "0.2"]
-    if redis_url is not None:
-        args += ["--redis-url", redis_url]
+    if redis_url is not None:  # a slow reply on a loaded 2-core test box must not look like an outage
+        args += ["--redis-url", redis_url, "--ledger-timeout", "1"]
     return args + list(extra)
 
 
@@ -132,6 +132,10 @@ class Tally:
     errors: list[str] = field(default_factory=list)
     statuses: dict[int, int] = field(default_factory=dict)
     refusals: list[dict[str, Any]] = field(default_factory=list)  # decoded error bodies of non-200 answers
+
+    def reasons(self) -> set[str]:
+        """The distinct refusal messages (what to print when a refusal was not expected)."""
+        return {str(body.get("error", {}).get("message")) for body in self.refusals}
 
 
 def completion_body(prompt_tokens: int, output_tokens: int, stream: bool = True) -> bytes:

@@ -64,6 +64,7 @@ class Gateway:
             lease_ttl_s=settings.lease_ttl_s,
             namespace=settings.ledger_namespace,
             replicas=settings.replicas * settings.workers,  # every process that may book while Redis is down
+            socket_timeout_s=settings.ledger_timeout_s,
         )
         self.ledger: Ledger = TimedLedger(inner, metrics.ledger_seconds, metrics.ledger_errors)
         self.usage = UsageCache(self.ledger)  # the reconcile loop's ledger snapshot, behind /metrics

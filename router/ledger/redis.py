@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -53,6 +54,7 @@ RESERVE_EXPIRE_BATCH: Final[int] = 16  # dead leases reclaimed in passing by eac
 USAGE_EXPIRE_BATCH: Final[int] = 1024
 EXPIRE_BATCH: Final[int] = 4096
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 _UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
@@ -265,6 +267,9 @@ class RedisLedger:
                 self.round_trips += 1
                 return await self._client.eval(script.source, len(keys), *keys, *args)
         except _UNAVAILABLE_ERRORS as exc:
+            # The cause, logged when the circuit opens: every call until it closes only says "circuit open".
+            cause, retry_s = f"{type(exc).__name__}: {exc}", self.retry_after_s
+            log.warning("Redis ledger %s failed (%s); not tried for %g s", script.name, cause, retry_s)
             self._down_until_s = self._clock() + self.retry_after_s
             self._needs_resync = True
             await self._drop_idle_connections()
