@@ -12,7 +12,7 @@ from router.telemetry import Metrics, multiprocess_dir
 
 from . import drain, info, openai, sglang_generate
 from .errors import install_error_handlers
-from .fastpath import FastPath
+from .fastpath import GatewayApp
 from .proxy import Proxy
 from .runtime import Gateway
 from .state import LifespanState
@@ -31,7 +31,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(
+    app = GatewayApp(  # generation POSTs skip FastAPI entirely (router/gateway/fastpath.py)
         title="kvrouter",
         summary="KV-aware router for MLA models served with data-parallel attention",
         lifespan=lifespan,
@@ -39,7 +39,6 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app)
-    app.add_middleware(FastPath)  # generation POSTs skip FastAPI routing (measured: docs/bench.md)
     app.include_router(openai.router)
     app.include_router(sglang_generate.router)
     app.include_router(info.router)

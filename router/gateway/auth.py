@@ -16,8 +16,7 @@ from router.config import Settings
 from .errors import ApiError
 
 
-def _bearer(request: Request) -> bytes:
-    value = request.headers.get("authorization", "")
+def _bearer(value: str) -> bytes:
     scheme, _, token = value.partition(" ")
     return token.strip().encode() if scheme.lower() == "bearer" else b""
 
@@ -30,7 +29,12 @@ def _matches(token: bytes, secrets: list[SecretStr]) -> bool:
 
 
 def check_api_key(request: Request, settings: Settings) -> None:
-    if settings.api_keys and not _matches(_bearer(request), settings.api_keys):
+    check_bearer(request.headers.get("authorization", ""), settings)
+
+
+def check_bearer(authorization: str, settings: Settings) -> None:
+    """The client API key check on an ``Authorization`` header value (the raw-ASGI data path)."""
+    if settings.api_keys and not _matches(_bearer(authorization), settings.api_keys):
         raise ApiError(
             401,
             "Invalid or missing API key (Authorization: Bearer <key>).",
@@ -40,7 +44,9 @@ def check_api_key(request: Request, settings: Settings) -> None:
 
 
 def check_admin(request: Request, settings: Settings) -> None:
-    if settings.admin_token is not None and not _matches(_bearer(request), [settings.admin_token]):
+    if settings.admin_token is not None and not _matches(
+        _bearer(request.headers.get("authorization", "")), [settings.admin_token]
+    ):
         raise ApiError(
             401,
             "Invalid or missing admin token.",

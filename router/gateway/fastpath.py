@@ -1,20 +1,27 @@
-"""The data-plane fast path: generation POSTs go straight to the :class:`Proxy`, skipping FastAPI's router.
+"""The data-plane fast path: generation POSTs go to the :class:`Proxy` as raw ASGI, before FastAPI.
 
-Installed as the outermost user middleware, so only Starlette's ServerErrorMiddleware (an unexpected
-exception → the app's 500 handler) remains above it. Route matching, the request/response wrappers and
-the exception middleware cost ~20 % of a proxied request's CPU (py-spy, wrk c=64); every other route,
-and any scope without the lifespan state, falls through to the full FastAPI app unchanged.
+:class:`GatewayApp` is the FastAPI app with one dispatch in front: a POST to a generation route, once the
+lifespan state holds the proxy, never enters Starlette's middleware stack, router or Request/Response
+objects (together ~20 % of a proxied request's CPU under py-spy; FastAPI's native telemetry check adds
+more). Everything else, including those routes' OpenAPI documentation, is FastAPI unchanged.
 """
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+import contextlib
+import logging
+
+from fastapi import FastAPI
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from router.backends.base import Route
 
-from .errors import ApiError, error_response
+from .asgi import JSON_TYPE, Reply
+from .errors import error_body
 from .proxy import Proxy
+
+log = logging.getLogger(__name__)
 
 HOT_ROUTES: dict[str, Route] = {
     "/v1/chat/completions": "/v1/chat/completions",
@@ -23,20 +30,41 @@ HOT_ROUTES: dict[str, Route] = {
 }
 
 
-class FastPath:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+async def serve_raw(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    """``proxy.serve``, with the app's 500 answer for an unexpected error (as Starlette's
+    ServerErrorMiddleware gives: then re-raised, so the server logs it and drops the connection)."""
+    try:
+        await proxy.serve(scope, receive, send, route)
+    except Exception as exc:
+        body = error_body(500, f"internal error: {type(exc).__name__}", "internal_error")
+        with contextlib.suppress(Exception):  # fails if the response had started: nothing more to say
+            await Reply(500, body, [], JSON_TYPE)(scope, receive, send)
+        raise
+
+
+class GatewayApp(FastAPI):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = HOT_ROUTES.get(scope["path"])
+            state = scope.get("state") if route is not None else None
+            proxy: Proxy | None = state.get("proxy") if state else None
+            if proxy is not None:
+                assert route is not None
+                await serve_raw(proxy, scope, receive, send, route)
+                return
+        await super().__call__(scope, receive, send)
+
+
+class ProxiedResponse(Response):
+    """What the FastAPI generation routes return (reached only without the fast path, e.g. an app whose
+    lifespan did not run): the same raw-ASGI proxy."""
+
+    def __init__(self, proxy: Proxy, route: Route) -> None:
+        # Response.__init__ is skipped on purpose: nothing is rendered up front.
+        self.status_code = 200
+        self.background = None
+        self._proxy = proxy
+        self._route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = HOT_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
-        proxy: Proxy | None = scope.get("state", {}).get("proxy") if route is not None else None
-        if proxy is None or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        assert route is not None
-        request = Request(scope, receive)
-        try:
-            response = await proxy.handle(request, route)
-        except ApiError as exc:
-            response = error_response(exc)
-        await response(scope, receive, send)
+        await self._proxy.serve(scope, receive, send, self._route)

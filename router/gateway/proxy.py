@@ -15,14 +15,25 @@ from typing import Any
 
 import aiohttp
 import orjson
-from fastapi import Request
-from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from router.backends.base import BackendError, Route
 from router.placement.snapshot import RankKey, RequestShape
 from router.sizing import SizingError
 
-from .auth import check_api_key
+from .asgi import (
+    AUTHORIZATION,
+    CONTENT_LENGTH,
+    JSON_TYPE,
+    ClientLeft,
+    Headers,
+    Reply,
+    error_reply,
+    media_type,
+    read_body,
+    request_headers,
+)
+from .auth import check_bearer
 from .errors import ApiError, upstream_error_body
 from .flight import Flight
 from .output_plan import output_hint, plan_request
@@ -58,17 +69,9 @@ class RetryableUpstream(Exception):
         self.kind = kind
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"Request body exceeds {max_bytes} bytes.", code="request_too_large")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > max_bytes:
-            raise ApiError(413, f"Request body exceeds {max_bytes} bytes.", code="request_too_large")
+def parse_json(body: bytes) -> dict[str, Any]:
     try:
-        payload = orjson.loads(buf)
+        payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc.msg}", code="invalid_json") from None
     if not isinstance(payload, dict):
@@ -120,20 +123,29 @@ class Proxy:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
-    async def handle(self, request: Request, route: Route) -> Response:
-        """The whole request; every refusal is counted once, as a rejection and as an answered request."""
+    async def serve(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        """The whole request, as raw ASGI; every refusal is counted once, as a rejection and as an answered
+        request."""
         try:
-            return await self._handle(request, route)
+            reply = await self._handle(scope, receive, route)
         except ApiError as exc:
             self.gw.metrics.rejections.labels(exc.code).inc()
             if not exc.counted:  # refused before a flight existed: nothing else counted it
                 self.gw.metrics.requests.labels(route, str(exc.status), "").inc()
-            raise
+            reply = error_reply(exc)
+        except ClientLeft:
+            return
+        await reply(scope, receive, send)
 
-    async def _handle(self, request: Request, route: Route) -> Response:
+    async def _handle(self, scope: Scope, receive: Receive, route: Route) -> Reply | RelayResponse:
+        """Everything up to the answer; the flight is finished (released) before a whole answer is sent, and
+        by the relay once a stream ends."""
         gw = self.gw
-        check_api_key(request, gw.settings)
-        payload = await read_json(request, gw.settings.max_body_bytes)
+        headers = request_headers(scope)
+        check_bearer(headers.get(AUTHORIZATION, ""), gw.settings)
+        payload = parse_json(
+            await read_body(receive, headers.get(CONTENT_LENGTH), gw.settings.max_body_bytes)
+        )
         model = validate(route, payload)
         cands = candidates(gw.store, route, model)
         try:
@@ -142,11 +154,11 @@ class Proxy:
             raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
         set_output_limit(route, payload, sized.output_limit_tokens)  # the client's limit, not the prediction
         stream = payload.get("stream") is True
-        plan = plan_request(gw.book, route, model or "", sized, output_hint(request.headers), stream)
+        plan = plan_request(gw.book, route, model or "", sized, output_hint(headers), stream)
         output_tokens = sized.output_tokens if plan is None else plan.output_tokens * sized.sequences
         shape = RequestShape(sized.prompt_tokens, output_tokens, entropy=gw.placer.entropy())
         flight = Flight(uuid.uuid4().hex, route, sized, shape, stream, model=model or "", plan=plan)
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(receive)
         gw.begin(flight)
         handed_off = False
         status = 500
@@ -160,11 +172,10 @@ class Proxy:
                     gw, flight, result.upstream, result.first_chunk, watch, _rank_header(flight)
                 )
             flight.on_tokens(gw.load, sum_completion_tokens(result.body) if status == 200 else 0)
-            headers = dict(_rank_header_str(flight))
             if status >= 400:  # the engine refused: its words, in the one error shape clients parse
                 body = upstream_error_body(status, result.body)
-                return Response(body, status, headers=headers, media_type="application/json")
-            return Response(result.body, status, headers=headers, media_type=result.content_type)
+                return Reply(status, body, _rank_header(flight), JSON_TYPE)
+            return Reply(status, result.body, _rank_header(flight), media_type(result.content_type))
         except ApiError as exc:
             status = exc.status
             flight.outcome = exc.code
@@ -176,7 +187,7 @@ class Proxy:
             flight.outcome = "client_disconnect"
             status = 499
             gw.abort_upstream(flight)
-            return Response(b"", 499)
+            return Reply(499, b"", [], None)
         finally:
             if not handed_off:
                 watch.stop()
@@ -279,9 +290,5 @@ def _first_byte(gw: Gateway, flight: Flight, streamed: bool) -> None:
         gw.metrics.ttft.labels(flight.route, flight.model).observe(time.perf_counter() - flight.arrived_s)
 
 
-def _rank_header_str(flight: Flight) -> list[tuple[str, str]]:
-    return [("x-kvrouter-rank", str(flight.key))] if flight.key is not None else []
-
-
-def _rank_header(flight: Flight) -> list[tuple[bytes, bytes]]:
-    return [(k.encode(), v.encode()) for k, v in _rank_header_str(flight)]
+def _rank_header(flight: Flight) -> Headers:
+    return [(b"x-kvrouter-rank", str(flight.key).encode())] if flight.key is not None else []

@@ -18,7 +18,6 @@ import time
 from typing import TYPE_CHECKING
 
 import aiohttp
-from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from router.telemetry import observe_spread
@@ -110,8 +109,8 @@ def count_chunk(flight: Flight, chunk: bytes) -> int:
     return chunk.count(b"data: {")
 
 
-class RelayResponse(Response):
-    """Streams an already-opened upstream response; owns the flight's end from here on."""
+class RelayResponse:
+    """Streams an already-opened upstream response as raw ASGI; owns the flight's end from here on."""
 
     def __init__(
         self,
@@ -122,9 +121,6 @@ class RelayResponse(Response):
         watch: DisconnectWatch,
         extra_headers: list[tuple[bytes, bytes]],
     ) -> None:
-        # Response.__init__ is skipped on purpose: nothing is rendered up front.
-        self.status_code = 200
-        self.background = None
         self._gw = gateway
         self._flight = flight
         self._upstream = upstream

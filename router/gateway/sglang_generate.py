@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from .fastpath import ProxiedResponse
 from .openapi_schemas import GENERATE, json_body
 from .state import proxy_of
 
@@ -13,4 +14,4 @@ router = APIRouter()
 
 @router.post("/generate", openapi_extra=json_body(GENERATE))
 async def generate(request: Request) -> Response:
-    return await proxy_of(request).handle(request, "/generate")
+    return ProxiedResponse(proxy_of(request), "/generate")
