@@ -246,10 +246,10 @@ async def test_growth_past_the_prediction_is_page_exact_over_http() -> None:
     def want(g: int) -> int:  # prompt + g + 1 always held, in whole pages, from the first reservation on
         return max(first, round_up(prompt + g + 1, page))
 
-    assert samples[0] == (1, first)
-    for g, held in samples[:-1]:  # the router may be a few tokens (one step: ~24 ms) ahead of this client
+    assert samples[0][0] < first - prompt and samples[0][1] == first  # an event may carry a few tokens
+    for g, held in samples[:-1]:  # the router may be a few steps (~24 ms each) ahead of this client
         assert held % page == 0 and held >= prompt + g + 1, (g, held)
-        assert held in {want(g + ahead) for ahead in range(6)}, (g, held, want(g))
+        assert held in {want(g + ahead) for ahead in range(10)}, (g, held, want(g))
     grown_to = sorted({held for _, held in samples[:-1]})  # the last event may find it released
     assert grown_to == list(range(first, want(real - 1) + 1, page))  # every page step, none skipped
 
@@ -326,7 +326,7 @@ async def test_client_hints_are_learned_apart_and_bad_hints_refused() -> None:
             for label, real in (("summary.v1", 16), ("essay_v2", 160)):
 
                 async def look(generated: int, label: str = label) -> None:
-                    if generated == 1:
+                    if label not in held:  # the first event: a few tokens at most, far from any growth
                         held[label] = (await http.get("/ranks")).json()["backends"][0]["ranks"][0][
                             "reserved_tokens"
                         ]

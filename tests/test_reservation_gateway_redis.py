@@ -155,11 +155,17 @@ async def test_a_replica_reserves_what_another_replica_learned(redis_url: str) -
             httpx.AsyncClient(base_url=url_b, timeout=30) as b,
         ):
             assert await asyncio.gather(*(generate(a, 1280, 16) for _ in range(24))) == [16] * 24
-            await asyncio.sleep(0.3)  # A pushes, B pulls
+            async with aioredis.Redis.from_url(redis_url, decode_responses=True) as r:
+                for _ in range(200):  # until A has pushed all 24 answers (n, first of each entry)
+                    entries = await r.hvals(f"kvr:{{{common['ledger_namespace']}}}:pred")
+                    if max((int(e.split()[0]) for e in entries), default=0) >= 24:
+                        break
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)  # and B has pulled them (every 0.05 s)
             held: list[int] = []
 
             async def look(generated: int) -> None:
-                if generated == 1:
+                if not held:  # the first event: a few tokens at most, far from any growth
                     held.append((await b.get("/ranks")).json()["backends"][0]["ranks"][0]["reserved_tokens"])
 
             assert await generate(b, 1280, 16, look) == 16
