@@ -70,6 +70,7 @@ class TelemetryStore:
         self._infos: dict[str, BackendInfo] = {}
         self._errors: dict[str, str] = {}
         self.polls = 0  # completed reconcile rounds; lets readers see the loop is alive
+        self.infos_version = 0  # bumped by set_info: readers cache what depends on discovery only
 
     # -- read API (gateway, telemetry, /ranks, /ready) ---------------------------------------------------
 
@@ -107,6 +108,7 @@ class TelemetryStore:
         """Install discovery results; returns True when ranks or capacities changed."""
         changed = self._infos.get(info.name) != info
         self._infos[info.name] = info
+        self.infos_version += 1
         for key in [k for k in self._ranks if k.backend == info.name and k.rank >= info.dp_size]:
             del self._ranks[key]  # the backend came back with fewer ranks
         unverified = set(info.extra.get("unverified_ranks", ()))

@@ -18,10 +18,10 @@ from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, Snapshot
 from router.reservation.book import ReservationBook
 from router.telemetry import Metrics
-from router.telemetry_store import TelemetryStore
+from router.telemetry_store import RankTruth, TelemetryStore
 
 from .errors import ApiError
-from .flight import Flight, LocalLoad
+from .flight import Flight, LocalLoad, RankLoad
 from .output_plan import growth_check_at
 from .waitqueue import QueueClosed, QueueFull, QueueTimeout, WaitQueue
 
@@ -42,6 +42,26 @@ def serves(info: BackendInfo, route: Route, model: str | None) -> bool:
     return model is None or model in info.models
 
 
+class CandidateCache:
+    """:func:`candidates` per (route, model), kept until discovery changes what the backends serve (the
+    store's ``infos_version``): the same key tuple every time, not a new one per request."""
+
+    def __init__(self, store: TelemetryStore) -> None:
+        self.store = store
+        self._version = -1
+        self._found: dict[tuple[str, str | None], Candidates] = {}
+
+    def get(self, route: Route, model: str | None) -> Candidates:
+        if self._version != self.store.infos_version:
+            self._found.clear()
+            self._version = self.store.infos_version
+        found = self._found.get((route, model))
+        if found is None:
+            found = candidates(self.store, route, model)  # raises for unknown models: those are not kept
+            self._found[(route, model)] = found
+        return found
+
+
 def candidates(store: TelemetryStore, route: Route, model: str | None) -> Candidates:
     """Ranks of every discovered backend serving ``model`` on ``route``; 404 for an unknown model."""
     infos = [i for i in store.infos().values() if serves(i, route, model)]
@@ -57,6 +77,41 @@ def candidates(store: TelemetryStore, route: Route, model: str | None) -> Candid
         )
     keys = tuple(RankKey(i.name, r) for i in infos for r in range(i.dp_size))
     return Candidates(keys, min(i.max_model_len for i in infos))
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One candidate rank: its local load (a stable object), its last view and what that was built from."""
+
+    key: RankKey
+    load: RankLoad
+    sig: tuple[object, ...] | None = None
+    truth: RankTruth | None = None
+    view: RankView | None = None
+
+
+def _build_view(
+    key: RankKey,
+    usage: RankUsage | None,
+    truth: RankTruth | None,
+    load: RankLoad,
+    info: BackendInfo | None,
+    draining: bool,
+) -> RankView:
+    capacity = usage.capacity_tokens if usage is not None else (truth.capacity_tokens if truth else 0)
+    return RankView(
+        key=key,
+        capacity_tokens=capacity,
+        page_size=info.page_size if info is not None else 1,
+        reserved_tokens=usage.reserved_tokens if usage is not None else 0,
+        inflight=usage.inflight if usage is not None else 0,
+        context_tokens=max(0, load.context_tokens),
+        prefill_tokens=max(0, load.prefill_tokens),
+        prefill_requests=max(0, load.prefill_requests),
+        engine_used_tokens=truth.engine_used_tokens if truth is not None else None,
+        healthy=truth is not None and truth.healthy and usage is not None,
+        draining=draining,
+    )
 
 
 class Placer:
@@ -82,30 +137,52 @@ class Placer:
         self._tick = 0
         self._rng = random.Random()
         self.drained: set[RankKey] = set()  # operator-drained ranks (router/gateway/drain.py): no new work
+        self._slots_by_keys: dict[tuple[RankKey, ...], list[_Slot]] = {}
+        self._slots_version = -1
+        self._last: tuple[list[_Slot], tuple[RankView, ...]] | None = None
 
     def _view(self, key: RankKey, usage: RankUsage | None) -> RankView:
         truth = self.store.rank(key)
         info = self.store.info(key.backend)
-        load = self.load.get(key)
-        capacity = usage.capacity_tokens if usage is not None else (truth.capacity_tokens if truth else 0)
-        return RankView(
-            key=key,
-            capacity_tokens=capacity,
-            page_size=info.page_size if info is not None else 1,
-            reserved_tokens=usage.reserved_tokens if usage is not None else 0,
-            inflight=usage.inflight if usage is not None else 0,
-            context_tokens=max(0, load.context_tokens),
-            prefill_tokens=max(0, load.prefill_tokens),
-            prefill_requests=max(0, load.prefill_requests),
-            engine_used_tokens=truth.engine_used_tokens if truth is not None else None,
-            healthy=truth is not None and truth.healthy and usage is not None,
-            draining=key in self.drained,
-        )
+        return _build_view(key, usage, truth, self.load.get(key), info, key in self.drained)
 
     async def snapshot(self, keys: Sequence[RankKey]) -> Snapshot:
+        """Every candidate's view; a rank's view is rebuilt only when what it shows changed (most ranks do
+        not between two placements), and the whole tuple is reused when none did."""
         usage = await self.ledger.usage()
         self._tick += 1
-        return Snapshot(tuple(self._view(k, usage.get(k)) for k in keys), tick=self._tick)
+        slots = self._slots(keys)
+        truths, drained = self.store.rank, self.drained
+        changed = False
+        for slot in slots:
+            key = slot.key
+            u = usage.get(key)
+            load = slot.load
+            sig = (
+                (u.capacity_tokens, u.reserved_tokens, u.inflight) if u is not None else None,
+                load.context_tokens,
+                load.prefill_tokens,
+                load.prefill_requests,
+                bool(drained) and key in drained,
+            )
+            truth = truths(key)
+            if sig != slot.sig or truth is not slot.truth or slot.view is None:
+                slot.sig, slot.truth = sig, truth
+                slot.view = _build_view(key, u, truth, load, self.store.info(key.backend), sig[4])
+                changed = True
+        if changed or self._last is None or self._last[0] is not slots:
+            self._last = (slots, tuple(s.view for s in slots if s.view is not None))
+        return Snapshot(self._last[1], tick=self._tick)
+
+    def _slots(self, keys: Sequence[RankKey]) -> list[_Slot]:
+        """The per-rank cache of this candidate list (one per list; rebuilt when discovery changes)."""
+        if self._slots_version != self.store.infos_version:
+            self._slots_by_keys.clear()
+            self._slots_version = self.store.infos_version
+        slots = self._slots_by_keys.get(tuple(keys))
+        if slots is None:
+            slots = self._slots_by_keys[tuple(keys)] = [_Slot(k, self.load.get(k)) for k in keys]
+        return slots
 
     async def _attempt(self, flight: Flight, keys: Sequence[RankKey]) -> RankKey | None:
         """One placement try: None = no room now; raises ApiError when the request can never run."""

@@ -37,7 +37,7 @@ from .auth import check_bearer
 from .errors import ApiError, upstream_error_body
 from .flight import Flight
 from .output_plan import output_hint, plan_request
-from .placement import Candidates, candidates
+from .placement import CandidateCache, Candidates
 from .relay import DisconnectWatch, RelayResponse, sum_completion_tokens
 from .runtime import Gateway
 
@@ -122,6 +122,7 @@ def set_output_limit(route: Route, payload: dict[str, Any], tokens: int) -> None
 class Proxy:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self._candidates = CandidateCache(gateway.store)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         """The whole request, as raw ASGI; every refusal is counted once, as a rejection and as an answered
@@ -147,7 +148,7 @@ class Proxy:
             await read_body(receive, headers.get(CONTENT_LENGTH), gw.settings.max_body_bytes)
         )
         model = validate(route, payload)
-        cands = candidates(gw.store, route, model)
+        cands = self._candidates.get(route, model)
         try:
             sized = gw.sizer.size(route, payload, cands.context_tokens)
         except SizingError as exc:
