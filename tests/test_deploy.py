@@ -109,7 +109,8 @@ def pod_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def k8s_manifests() -> list[tuple[Path, dict[str, Any]]]:
-    files = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+    """deploy/k8s and its components (deploy/k8s/vllm): every manifest, kustomizations left out."""
+    files = sorted(p for p in (DEPLOY / "k8s").rglob("*.yaml") if p.name != "kustomization.yaml")
     return [(p, d) for p in files for d in yaml_docs(p)]
 
 
@@ -141,8 +142,9 @@ def script(name: str) -> Invocation:
 def test_every_engine_flag_exists_in_the_engine_source_allowlist() -> None:
     invocations = all_invocations()
     by_engine = {e: [i for i in invocations if i.engine == e] for e in ("sglang", "vllm")}
-    # 3 SGLang scripts + compose + k8s; 3 vLLM scripts + compose: the parser must find them all.
-    assert len(by_engine["sglang"]) >= 5 and len(by_engine["vllm"]) >= 4, [i.where for i in invocations]
+    # 3 SGLang scripts + compose + k8s; 3 vLLM scripts + compose + k8s: the parser must find them all.
+    assert len(by_engine["sglang"]) >= 5 and len(by_engine["vllm"]) >= 5, [i.where for i in invocations]
+    assert any(i.where.startswith("deploy/k8s/vllm/") for i in by_engine["vllm"])
     unknown = [
         (inv.where, f)
         for e, invs in by_engine.items()
@@ -166,7 +168,7 @@ def test_flag_check_catches_invented_and_abbreviated_flags(tmp_path: Path) -> No
 def test_compose_and_k8s_engines_run_exactly_the_recipe_arguments() -> None:
     sglang, vllm = script("sglang/launch_dp8_ep8.sh"), script("vllm/serve_dp8_internal_lb.sh")
     others = compose_invocations(DEPLOY / "compose/docker-compose.gpu.yml") + k8s_invocations()
-    assert len(others) == 3
+    assert len(others) == 4
     for inv in others:
         expected = sglang if inv.engine == "sglang" else vllm
         assert inv.args == expected.args, inv.where
@@ -230,9 +232,9 @@ def router_configs(tmp_path: Path) -> list[tuple[str, Path]]:
     ]
     for path, doc in k8s_manifests():
         if doc["kind"] == "ConfigMap" and "router.yaml" in doc.get("data", {}):
-            out = tmp_path / f"{path.stem}.yaml"
+            out = tmp_path / f"{path.parent.name}-{path.stem}.yaml"
             out.write_text(doc["data"]["router.yaml"])
-            found.append(("sglang", out))
+            found.append(("vllm" if path.parent.name == "vllm" else "sglang", out))
     return found
 
 
@@ -242,7 +244,7 @@ def test_every_router_config_loads_with_the_router_settings(
     for name in ("KVROUTER_CONFIG", "KVROUTER_BACKENDS", "KVROUTER_POLICY", "KVROUTER_REDIS_URL"):
         monkeypatch.delenv(name, raising=False)
     configs = router_configs(tmp_path)
-    assert len(configs) == 6
+    assert len(configs) == 7
     for engine_dir, path in configs:
         settings = Settings(config_file=str(path))
         get_policy(settings.policy)
@@ -284,13 +286,21 @@ def test_dockerfile_passes_hadolint_and_has_the_runtime_shape() -> None:
 # --- Kubernetes -------------------------------------------------------------------------------------------
 
 
+def crd_schemas() -> dict[str, dict[str, Any]]:
+    """Prometheus Operator kinds: kubernetes-validate has core schemas only, these are subsets of the CRDs."""
+    return {
+        kind: json.loads((ROOT / f"tests/data/{kind.lower()}.schema.json").read_text())
+        for kind in ("ServiceMonitor", "PrometheusRule")
+    }
+
+
 def test_k8s_manifests_validate_against_pinned_schemas() -> None:
-    monitor_schema = json.loads((ROOT / "tests/data/servicemonitor.schema.json").read_text())
+    crds = crd_schemas()
     kinds = []
     for path, doc in k8s_manifests():
         kinds.append(doc["kind"])
-        if doc["kind"] == "ServiceMonitor":  # a CRD: kubernetes-validate has core schemas only
-            jsonschema.validate(doc, monitor_schema)
+        if doc["kind"] in crds:
+            jsonschema.validate(doc, crds[doc["kind"]])
             continue
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -303,6 +313,7 @@ def test_k8s_manifests_validate_against_pinned_schemas() -> None:
         "ConfigMap",
         "PodDisruptionBudget",
         "ServiceMonitor",
+        "PrometheusRule",
     } <= set(kinds)
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate({**doc, "spec": {"replicaz": 1}}, K8S_VERSION, strict=True)
