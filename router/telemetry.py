@@ -106,6 +106,11 @@ class Metrics:
         self._build_internals(r)
         self._local: LocalSource | None = None
         self._publisher: asyncio.Task[None] | None = None
+        self._placed: dict[RankKey, Counter] = {}
+        self._finished: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._queue_wait: dict[str, Histogram] = {}
+        self._ttft: dict[tuple[str, str], Histogram] = {}
+        self._itl: dict[tuple[str, str], Histogram] = {}
 
     def _build_request_path(self, r: CollectorRegistry) -> None:
         """What a request passes through: answered, refused, placed, how long it took."""
@@ -234,12 +239,42 @@ class Metrics:
 
     # -- request path ------------------------------------------------------------------------------------
 
+    # Labelled children are bound once and kept (labels() costs a lock and a dict walk per call); every
+    # label set here is bounded (see the module docstring), so these dicts are too.
+
     def placed(self, key: RankKey) -> None:
-        self.placements.labels(self.policy, key.backend, str(key.rank)).inc()
+        child = self._placed.get(key)
+        if child is None:
+            child = self._placed[key] = self.placements.labels(self.policy, key.backend, str(key.rank))
+        child.inc()
 
     def finished(self, route: str, model: str, status: int, duration_s: float) -> None:
-        self.requests.labels(route, str(status), model).inc()
-        self.duration.labels(route, model).observe(duration_s)
+        children = self._finished.get((route, model, status))
+        if children is None:
+            children = self._finished[(route, model, status)] = (
+                self.requests.labels(route, str(status), model),
+                self.duration.labels(route, model),
+            )
+        children[0].inc()
+        children[1].observe(duration_s)
+
+    def queue_waited(self, outcome: str, wait_s: float) -> None:
+        child = self._queue_wait.get(outcome)
+        if child is None:
+            child = self._queue_wait[outcome] = self.queue_wait.labels(outcome)
+        child.observe(wait_s)
+
+    def ttft_of(self, route: str, model: str) -> Histogram:
+        child = self._ttft.get((route, model))
+        if child is None:
+            child = self._ttft[(route, model)] = self.ttft.labels(route, model)
+        return child
+
+    def itl_of(self, route: str, model: str) -> Histogram:
+        child = self._itl.get((route, model))
+        if child is None:
+            child = self._itl[(route, model)] = self.itl.labels(route, model)
+        return child
 
 
 def observe_spread(child: Histogram, gap_s: float, tokens: int) -> None:

@@ -224,7 +224,7 @@ class Placer:
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
         except QueueTimeout:
-            self.metrics.queue_wait.labels("timeout").observe(time.perf_counter() - start_s)
+            self.metrics.queue_waited("timeout", time.perf_counter() - start_s)
             raise ApiError(
                 503,
                 f"No KV capacity freed within {self.queue.timeout_s:g} s.",
@@ -237,7 +237,7 @@ class Placer:
             raise ApiError(
                 503, "The router is shutting down.", code="shutting_down", headers={"Retry-After": "1"}
             ) from None
-        self.metrics.queue_wait.labels("placed").observe(time.perf_counter() - start_s)
+        self.metrics.queue_waited("placed", time.perf_counter() - start_s)
         self.metrics.placed(key)
         flight.on_placed(self.load, key)
         return key

@@ -159,7 +159,7 @@ class RelayResponse:
     async def _pump(self, send: Send) -> None:
         gw, flight = self._gw, self._flight
         load = gw.load
-        itl = gw.metrics.itl.labels(flight.route, flight.model)
+        itl = gw.metrics.itl_of(flight.route, flight.model)
         last_token_s: float | None = None  # arrival of the previous chunk that carried tokens
         chunk = self._first
         content = self._upstream.content
