@@ -8,14 +8,15 @@ connect errors, 5xx, or a stream that ended before its first chunk.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 from starlette.types import Receive, Scope, Send
+from yarl import URL
 
 from router.backends.base import BackendError, Route
 from router.placement.snapshot import RankKey, RequestShape
@@ -123,6 +124,13 @@ class Proxy:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self._candidates = CandidateCache(gateway.store)
+        self._urls: dict[str, URL] = {}  # one per rank and route: aiohttp parses a str URL on every call
+
+    def _url(self, url: str) -> URL:
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parsed = self._urls[url] = URL(url)
+        return parsed
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         """The whole request, as raw ASGI; every refusal is counted once, as a rejection and as an answered
@@ -158,7 +166,7 @@ class Proxy:
         plan = plan_request(gw.book, route, model or "", sized, output_hint(headers), stream)
         output_tokens = sized.output_tokens if plan is None else plan.output_tokens * sized.sequences
         shape = RequestShape(sized.prompt_tokens, output_tokens, entropy=gw.placer.entropy())
-        flight = Flight(uuid.uuid4().hex, route, sized, shape, stream, model=model or "", plan=plan)
+        flight = Flight(os.urandom(16).hex(), route, sized, shape, stream, model=model or "", plan=plan)
         watch = DisconnectWatch(receive)
         gw.begin(flight)
         handed_off = False
@@ -240,7 +248,7 @@ class Proxy:
         assert gw.session is not None
         try:
             resp = await gw.session.post(
-                up.url, data=orjson.dumps(payload), headers=headers, timeout=gw.upstream_timeout
+                self._url(up.url), data=orjson.dumps(payload), headers=headers, timeout=gw.upstream_timeout
             )
         except aiohttp.ClientConnectionError as exc:
             raise RetryableUpstream(f"connect: {type(exc).__name__}", "connect") from None
@@ -288,7 +296,7 @@ class Proxy:
 def _first_byte(gw: Gateway, flight: Flight, streamed: bool) -> None:
     flight.on_first_byte(gw.load)
     if streamed:  # a buffered answer's first byte is its last: it is in kvrouter_request_duration_seconds
-        gw.metrics.ttft.labels(flight.route, flight.model).observe(time.perf_counter() - flight.arrived_s)
+        gw.metrics.ttft_of(flight.route, flight.model).observe(time.perf_counter() - flight.arrived_s)
 
 
 def _rank_header(flight: Flight) -> Headers:

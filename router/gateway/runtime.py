@@ -36,6 +36,9 @@ from .waitqueue import WaitQueue
 
 log = logging.getLogger(__name__)
 ABORT_TASK = "kvrouter-abort"
+# aiohttp adds these to every request; engines ignore them, and Accept-Encoding would invite a compressed
+# answer the relay passes through undecoded to a client that never asked for one.
+UPSTREAM_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 
 
 def build_sizer(settings: Settings) -> Sizer:
@@ -106,7 +109,12 @@ class Gateway:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # bytes are relayed as the engine sent them
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: no jar walk per request
+            skip_auto_headers=UPSTREAM_SKIPPED_HEADERS,
+        )
         await self.reconciler.start()
         self._renewer = asyncio.create_task(self._renew_loop(), name="kvrouter-lease-renew")
         if self.share is not None:  # cancelled with the other background tasks at stop
