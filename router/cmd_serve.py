@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from router.config import ConfigError, Settings, load_settings
 if TYPE_CHECKING:  # the web stack is imported only when serving, so `kvrouter plan` starts fast
     from fastapi import FastAPI
 
+GC_GEN0_THRESHOLD = 10_000  # CPython's default is 700
 SETTINGS_ENV = "KVROUTER_SERVE_SETTINGS_JSON"  # hands resolved settings to uvicorn worker processes
 
 
@@ -45,7 +47,19 @@ def app_from_env() -> FastAPI:
 
     settings = Settings(**orjson.loads(os.environ[SETTINGS_ENV]))
     configure_router_logging(settings.log_level)
-    return create_app(settings)
+    app = create_app(settings)
+    tune_gc()
+    return app
+
+
+def tune_gc() -> None:
+    """For a serving process: what start-up made (modules, settings, the app) leaves every collection, and
+    young collections run ~14x less often (each request allocates a few hundred objects; at 700 a
+    collection ran every few requests). Measured: ~5 % of the process in the collector, +10 % req/s at
+    c=64 without it (docs/bench.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
 
 
 def run(settings: Settings) -> None:
@@ -71,6 +85,7 @@ def run(settings: Settings) -> None:
     }
     if settings.workers == 1:  # SIGTERM drains first: 503s while in-flight requests finish
         server = GracefulServer(uvicorn.Config(create_app(settings), **common), settings.shutdown_grace_s)
+        tune_gc()
         server.run()
         if not server.started:
             raise SystemExit(3)  # startup failed (uvicorn.run exits the same way)
