@@ -263,3 +263,58 @@ async def test_overload_is_refused_fast_with_bounded_queue_and_flat_memory() -> 
                 metrics = (await http.get(url + "/metrics")).text
                 assert "kvrouter_queue_depth 0" in metrics
                 await engine_idle(http, emu.url)
+
+
+async def test_a_line_that_formed_once_does_not_hold_back_newcomers_when_there_is_room() -> None:
+    # Handing the line on costs a loop wake-up per waiter; under load a line that newcomers always joined
+    # never drained, and the soak saw ~half its requests refused 429 with the ranks idle.
+    from router.gateway.waitqueue import WaitQueue
+
+    queue = WaitQueue(max_waiting=4, timeout_s=2.0, poll_s=10.0)  # no polling: only wake-ups move it
+    room = {"free": 0}
+
+    async def attempt() -> str | None:
+        if room["free"] <= 0:
+            return None
+        room["free"] -= 1
+        return "placed"
+
+    first = asyncio.create_task(queue.admit(attempt))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(queue.admit(attempt))
+    await asyncio.sleep(0)
+    assert queue.depth == 2  # the head found no room: the next one lines up behind it (FIFO)
+    room["free"] = 10
+    first.cancel()  # its client leaves; the line is handed on to the second waiter...
+    await asyncio.sleep(0)
+    assert queue.depth == 1 and not second.done()  # ...which has not run yet (a loop wake-up away)
+    # A newcomer is placed at once, not behind a head that has not even looked for room yet.
+    assert await queue.admit(attempt) == "placed" and not second.done()
+    assert await second == "placed" and queue.depth == 0
+
+
+async def test_a_blocked_head_is_not_overtaken_by_small_newcomers() -> None:
+    from router.gateway.waitqueue import QueueTimeout, WaitQueue
+
+    queue = WaitQueue(max_waiting=4, timeout_s=0.3, poll_s=0.05)
+    room = {"free": 3}
+
+    def needs(tokens: int) -> Any:
+        async def attempt() -> str | None:
+            if room["free"] < tokens:
+                return None
+            room["free"] -= tokens
+            return f"{tokens}"
+
+        return attempt
+
+    big = asyncio.create_task(queue.admit(needs(5)))
+    await asyncio.sleep(0)
+    small = asyncio.create_task(queue.admit(needs(1)))  # would fit now, but the head is blocked
+    await asyncio.sleep(0.1)
+    assert room["free"] == 3 and not small.done()
+    room["free"] = 6
+    queue.wake()
+    assert await big == "5" and await small == "1"
+    with pytest.raises(QueueTimeout):
+        await queue.admit(needs(100))

@@ -1,10 +1,17 @@
 """The admission queue: a bounded FIFO of requests waiting for KV room, each with its own deadline.
 
-Strictly first come, first served: only the head tries to place itself (a large request is not starved by
-small ones slipping past it), and a newcomer queues behind existing waiters rather than jumping them. The
-head is woken on every release (``wake``) and polls at ``poll_s`` for room freed elsewhere (other router
-replicas, engine telemetry, lease expiry). Each waiter places itself in its own task, so a waiter that is
-cancelled (client gone, shutdown) can never leave a reservation behind.
+First come, first served while there is contention: only the head tries to place itself, and once the
+head has found no room a newcomer queues behind it rather than jumping it (a large request is not starved
+by small ones slipping past). The head is woken on every release (``wake``) and polls at ``poll_s`` for
+room freed elsewhere (other router replicas, engine telemetry, lease expiry). Each waiter places itself
+in its own task, so a waiter that is cancelled (client gone, shutdown) can never leave a reservation
+behind.
+
+Handing the line on costs an event-loop wake-up per waiter, which under load is milliseconds: if newcomers
+always queued behind a non-empty line, a line that formed once would never drain while arrivals kept up,
+and requests would be refused (429) with the ranks idle (measured: loadtest/bench/soak.py, ~half of all
+requests). So a newcomer tries at once unless the current head is *blocked* (has tried and found no room);
+in the zero-latency limit (the simulator) the two rules are the same.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class WaitQueue:
         self.poll_s = poll_s
         self._waiters: deque[asyncio.Event] = deque()
         self.closed = False
+        self._head_blocked = False  # the current head tried and found no room
 
     @property
     def depth(self) -> int:
@@ -61,7 +69,7 @@ class WaitQueue:
         """
         if self.closed:
             raise QueueClosed
-        if not self._waiters:
+        if not self._waiters or not self._head_blocked:
             got = await attempt()
             if got is not None:
                 return got
@@ -79,16 +87,18 @@ class WaitQueue:
                     got = await attempt()
                     if got is not None:
                         return got
+                    self._head_blocked = True
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0:
                     raise QueueTimeout
                 event.clear()
+                # asyncio.timeout, not wait_for: no extra task, one loop wake-up less per hand-over
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        event.wait(), min(remaining_s, self.poll_s) if head else remaining_s
-                    )
+                    async with asyncio.timeout(min(remaining_s, self.poll_s) if head else remaining_s):
+                        await event.wait()
         finally:
             was_head = self._waiters[0] is event
             self._waiters.remove(event)
             if was_head:
+                self._head_blocked = False  # the next head has not tried yet
                 self.wake()
