@@ -195,8 +195,8 @@ async def test_reservations_follow_the_real_output_not_max_tokens(mode: str) -> 
                 await client.close()
             if mode == "max":
                 assert per_request == round_up(prompt + 8 * real, page)
-            else:  # the relay counts the role chunk too: what it learned is real + 1 or + 2 at most
-                upper = bin_upper_tokens(bin_of(real + 2))
+            else:  # it learned the real length (the usage chunk's exact count): its bin's top at most
+                upper = bin_upper_tokens(bin_of(real))
                 assert round_up(prompt + real, page) <= per_request <= round_up(prompt + upper, page)
             assert all(r["reserved_tokens"] == 0 for r in await ranks_settled(url))
 

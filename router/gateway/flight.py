@@ -58,6 +58,7 @@ class Flight:
     plan: Plan | None = None  # output reservation plan (None: not followed by the reservation book)
     grow_at_tokens: int = sys.maxsize  # generated tokens at which to look at growth next
     cut: Callable[[], None] | None = None  # ends the relay now, with an in-band error (shutdown)
+    role_events: int = 0  # OpenAI chat role chunks still to come (relay): events without a token
 
     def on_placed(self, load: LocalLoad, key: RankKey) -> None:
         self.key = key
@@ -75,7 +76,8 @@ class Flight:
         rank.prefill_requests -= 1
 
     def on_tokens(self, load: LocalLoad, tokens: int) -> None:
-        if tokens <= 0 or self.key is None:
+        """``tokens`` more generated; negative: the engine's exact count corrects an over-count."""
+        if not tokens or self.key is None:
             return
         self.generated_tokens += tokens
         load.get(self.key).context_tokens += tokens

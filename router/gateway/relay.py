@@ -1,8 +1,10 @@
 """The streaming relay: upstream SSE bytes to the client, chunk by chunk, never re-parsing events.
 
-Generated tokens are counted cheaply per chunk: the number of ``data: {`` events, replaced by the engine's
-own cumulative ``completion_tokens`` whenever a chunk carries one (SGLang ``/generate`` meta_info on every
-event, the OpenAI usage chunk at the end). The counts feed the ledger in batches, not per event.
+Generated tokens are counted cheaply per chunk: the number of ``data: {`` events, less the OpenAI chat
+role chunks (one per choice, before any token: ``delta.role`` and empty content, in SGLang and vLLM alike),
+replaced by the engine's own cumulative ``completion_tokens`` whenever a chunk carries one (SGLang
+``/generate`` meta_info on every event, the OpenAI usage chunk at the end), which is exact and may correct
+the estimate downwards. The counts feed the ledger in batches, not per event.
 
 A client that goes away is noticed by :class:`DisconnectWatch` (uvicorn's ``send`` silently drops data for
 a closed connection, so only ``receive`` tells), which cancels the request's task; the relay then closes
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from .runtime import Gateway
 
 REPORT_EVERY_TOKENS = 64
+CHAT_ROUTE = "/v1/chat/completions"
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DIGITS = re.compile(rb"\s*(\d+)")
 SSE_HEADERS = [
@@ -102,11 +105,17 @@ def sum_completion_tokens(body: bytes) -> int:
 
 
 def count_chunk(flight: Flight, chunk: bytes) -> int:
-    """New generated tokens seen in ``chunk`` (relative to what the flight counted so far)."""
+    """New generated tokens seen in ``chunk`` (relative to what the flight counted so far). Negative when the
+    engine's exact count corrects the event estimate (an SGLang finish chunk carries no token)."""
     exact = last_completion_tokens(chunk) if _COMPLETION_TOKENS in chunk else None
     if exact is not None:
-        return max(0, exact - flight.generated_tokens)
-    return chunk.count(b"data: {")
+        return exact - flight.generated_tokens
+    events = chunk.count(b"data: {")
+    if flight.role_events and events:  # the chat role chunks come first and carry no token
+        skipped = min(events, flight.role_events)
+        flight.role_events -= skipped
+        events -= skipped
+    return events
 
 
 class RelayResponse:
@@ -125,6 +134,7 @@ class RelayResponse:
         self._flight = flight
         self._upstream = upstream
         flight.cut = self._cut
+        flight.role_events = flight.sized.sequences if flight.route == CHAT_ROUTE else 0
         self._first = first_chunk
         self._watch = watch
         self._raw = SSE_HEADERS + extra_headers
@@ -165,8 +175,9 @@ class RelayResponse:
         content = self._upstream.content
         while chunk:
             new = count_chunk(flight, chunk)
-            if new:
+            if new:  # negative: the engine's exact count corrects events that carried no token
                 flight.on_tokens(load, new)
+            if new > 0:
                 now_s = time.perf_counter()
                 if last_token_s is not None:
                     observe_spread(itl, now_s - last_token_s, new)
