@@ -231,10 +231,11 @@ def test_runtime_faults(start_emulator: StartEmulator) -> None:
 
 def test_legacy_crash_kills_the_server(start_emulator: StartEmulator) -> None:
     emu = start_emulator("sglang", dp_size=2)
-    httpx.post(emu.url + "/_emulator/faults", json={"legacy_crash": True})
-    r = httpx.post(emu.url + "/generate", json={"text": "hi", "routed_dp_rank": -1})
+    url = emu.url  # read once: the address is gone once the server has died
+    httpx.post(url + "/_emulator/faults", json={"legacy_crash": True})
+    r = httpx.post(url + "/generate", json={"text": "hi", "routed_dp_rank": -1})
     assert r.status_code == 200 and r.headers["x-emulator-rank"] == "1"  # old servers wrap negative ranks
     with pytest.raises(httpx.HTTPError):
-        httpx.post(emu.url + "/generate", json={"text": "hi", "routed_dp_rank": 7})
-        _wait_for(lambda: httpx.get(emu.url + "/health") and False, timeout_s=3)
+        httpx.post(url + "/generate", json={"text": "hi", "routed_dp_rank": 7})
+        _wait_for(lambda: httpx.get(url + "/health") and False, timeout_s=3)
     assert emu.crashed
