@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.registry import Collector
 
 from router.placement.snapshot import RankKey
+from router.telemetry_reservation import ReservationMetrics
 from router.telemetry_state import RankRow as RankRow  # re-exported: the gateway's /ranks rows
 from router.telemetry_text import render_text
 
@@ -104,6 +105,8 @@ class Metrics:
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
         self._build_request_path(r)
         self._build_internals(r)
+        self.reservations = ReservationMetrics(r)  # the reservation book's meter, and its quantile gauge
+        self.registry.register(self.reservations)
         self._local: LocalSource | None = None
         self._publisher: asyncio.Task[None] | None = None
         self._placed: dict[RankKey, Counter] = {}

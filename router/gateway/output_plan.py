@@ -20,6 +20,7 @@ from router.reservation.overcommit import NO_GROWTH
 from router.reservation.predictor import RequestKey
 from router.reservation.shared import PredictorShare, SharedPredictor
 from router.sizing import Sized
+from router.telemetry_reservation import ReservationMetrics
 
 from .errors import ApiError
 
@@ -32,16 +33,22 @@ _HINT = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_HINT_CHARS}}}")
 NEVER: Final[int] = sys.maxsize
 
 
-def build_book(settings: Settings) -> tuple[ReservationBook, PredictorShare | None]:
+def build_book(
+    settings: Settings, meter: ReservationMetrics | None = None
+) -> tuple[ReservationBook, PredictorShare | None]:
     """The app's one book; with ``redis_url`` in mode predicted, the share that pools what replicas learn
-    (run by the gateway as a background task)."""
+    (run by the gateway as a background task). ``meter``: the metrics told what the book decides, reading
+    its predictor at scrape time."""
     res = settings.reservation_settings()
-    book = ReservationBook(res)
-    if not settings.redis_url or not book.predicted:
-        return book, None
-    predictor = SharedPredictor(res.predictor)
-    share = PredictorShare.from_url(settings.redis_url, predictor, namespace=settings.ledger_namespace)
-    return ReservationBook(res, predictor), share
+    book = ReservationBook(res, meter=meter)
+    share = None
+    if settings.redis_url and book.predicted:
+        predictor = SharedPredictor(res.predictor)
+        share = PredictorShare.from_url(settings.redis_url, predictor, namespace=settings.ledger_namespace)
+        book = ReservationBook(res, predictor, meter)
+    if meter is not None:
+        meter.watch(book.predictor)
+    return book, share
 
 
 def output_hint(headers: Mapping[str, str]) -> str:

@@ -74,7 +74,7 @@ class Gateway:
         self.store = TelemetryStore()
         self.load = LocalLoad()
         self.queue = WaitQueue(settings.queue_max, settings.queue_timeout_s)
-        self.book, self.share = build_book(settings)  # output reservations (max | predicted)
+        self.book, self.share = build_book(settings, metrics.reservations)  # output reservations
         self.placer = Placer(
             self.ledger,
             self.store,

@@ -10,6 +10,7 @@ finished lengths to the predictor. The caller does the ledger calls (``reserve``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from router.placement.snapshot import RankKey, Snapshot
 from router.reservation.modes import ReservationMode, initial_output_tokens, next_growth
@@ -64,6 +65,20 @@ class Plan:
     growth: GrowthProfile
 
 
+class BookMeter(Protocol):
+    """Told what the book decides, for metrics (router/telemetry_reservation.py). Calls are cheap and never
+    fail; the book works the same without one."""
+
+    def planned(self, key: RequestKey, output_tokens: int) -> None:
+        """A stream was sized from the prediction: ``output_tokens`` of output in its first reservation."""
+
+    def grown(self, ok: bool) -> None:
+        """The ledger granted (``ok``) or refused a growth."""
+
+    def learned(self, key: RequestKey) -> None:
+        """The predictor learned the length of a finished request of ``key``."""
+
+
 @dataclass(slots=True)
 class _Held:
     plan: Plan
@@ -73,9 +88,15 @@ class _Held:
 
 
 class ReservationBook:
-    def __init__(self, settings: ReservationSettings, predictor: Predictor | None = None) -> None:
+    def __init__(
+        self,
+        settings: ReservationSettings,
+        predictor: Predictor | None = None,
+        meter: BookMeter | None = None,
+    ) -> None:
         self.settings = settings
         self.predictor = predictor if predictor is not None else Predictor(settings.predictor)
+        self.meter = meter
         self._held: dict[str, _Held] = {}
         self._population: tuple[int, GrowthProfile] | None = None
         self._fresh: dict[tuple[str, int, int], tuple[int, GrowthProfile]] = {}
@@ -90,6 +111,8 @@ class ReservationBook:
         if not self.predicted:
             return Plan(key, key.prompt_tokens, max_tokens, max_tokens, NO_GROWTH)
         output = initial_output_tokens(max_tokens, self.predictor.quantile_tokens(key), self.settings.mode)
+        if self.meter is not None:
+            self.meter.planned(key, output)
         return Plan(key, key.prompt_tokens, max_tokens, output, self._fresh_profile(key, output, max_tokens))
 
     def _fresh_profile(self, key: RequestKey, output: int, max_tokens: int) -> GrowthProfile:
@@ -150,6 +173,8 @@ class ReservationBook:
             held.reserved_tokens += tokens
         else:
             self.growth_failures += 1
+        if self.meter is not None:
+            self.meter.grown(ok)
 
     def finished(self, request_id: str, generated_tokens: int | None) -> None:
         """The request left (the caller releases the ledger). ``generated_tokens``: its real length when it
@@ -163,6 +188,8 @@ class ReservationBook:
     def observe(self, key: RequestKey, generated_tokens: int) -> None:
         """Learn from a request that was never in the book (e.g. placed by the engine itself)."""
         self.predictor.observe(key, generated_tokens)
+        if self.meter is not None:
+            self.meter.learned(key)
 
     def reserved_tokens(self, request_id: str) -> int | None:
         held = self._held.get(request_id)

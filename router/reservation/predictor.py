@@ -70,8 +70,14 @@ class RequestKey:
         """Storage keys from the most specific to the global one (duplicates removed)."""
         hint = self.hint.replace(_SEP, "/")[:_MAX_HINT_CHARS]
         r, m, b = self.route.replace(_SEP, "/"), self.model.replace(_SEP, "/"), str(self.prompt_bucket)
-        out = [_SEP.join((r, m, b, hint)), _SEP.join((r, m, b, "")), _SEP.join((r, m, "*", "")), _GLOBAL]
+        route = _route_level(self.route, self.model)
+        out = [_SEP.join((r, m, b, hint)), _SEP.join((r, m, b, "")), route, _GLOBAL]
         return tuple(dict.fromkeys(out))
+
+
+def _route_level(route: str, model: str) -> str:
+    """The level of every request of ``route`` and ``model``, whatever its prompt length or hint."""
+    return _SEP.join((route.replace(_SEP, "/"), model.replace(_SEP, "/"), "*", ""))
 
 
 Distribution = tuple[tuple[float, float], ...]
@@ -113,7 +119,10 @@ class Predictor:
     def bins(self, key: RequestKey | None) -> dict[int, float]:
         """Bin -> weight of the most specific level with enough weight (global level: + prior).
         ``key`` None: the global level (every request seen)."""
-        for level in key.levels() if key is not None else (_GLOBAL,):
+        return self._bins_at(key.levels() if key is not None else (_GLOBAL,))
+
+    def _bins_at(self, levels: tuple[str, ...]) -> dict[int, float]:
+        for level in levels:
             hist = self._hists.get(level)
             if level == _GLOBAL:
                 out = dict(self._prior)
@@ -131,6 +140,12 @@ class Predictor:
         if not 0.0 < q < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {q}")
         value = quantile_tokens(self.bins(key), q)
+        return 1 if value is None else value
+
+    def route_quantile_tokens(self, route: str, model: str) -> int:
+        """The configured quantile over every request of ``route`` and ``model`` (any prompt length or hint):
+        their own level once it holds ``min_weight``, else the global one with the prior (for /metrics)."""
+        value = quantile_tokens(self._bins_at((_route_level(route, model), _GLOBAL)), self.config.quantile)
         return 1 if value is None else value
 
     def distribution(self, key: RequestKey | None) -> Distribution:
