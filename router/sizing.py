@@ -180,8 +180,11 @@ class Sizer:
             raise SizingError(f"'n' must be <= {MAX_N}", param="n")
         return limit, n
 
-    def size(self, route: str, body: dict[str, Any], context_tokens: int) -> Sized:
-        """Size a parsed request for a deployment whose context window is ``context_tokens``."""
+    def size(
+        self, route: str, body: dict[str, Any], context_tokens: int, capacity_tokens: int | None = None
+    ) -> Sized:
+        """Size a parsed request for a deployment whose context window is ``context_tokens`` and whose
+        largest rank holds ``capacity_tokens`` (None: unknown)."""
         prompt = self.prompt(route, body)
         limit, n = self.output_limit(route, body)
         longest = max(prompt.per_sequence_tokens)
@@ -200,10 +203,17 @@ class Sizer:
         # The engine holds at most the context window for one sequence: an inflated estimate reserves no
         # more (a prompt that fits would otherwise be refused as too large for every rank).
         prompt_cap = context_tokens - per_seq
+        # n samples of one prompt share its prefix pages in both engines; outputs are per sample.
+        prompt_tokens = sum(min(t, prompt_cap) for t in prompt.per_sequence_tokens)
+        output_tokens = per_seq * sequences
+        if not prompt.exact and capacity_tokens is not None:
+            # Likewise for the largest rank: a request the unscaled estimate fits there is not refused
+            # for its safety margin; it reserves the rank's room (at least what it surely holds).
+            surely_total = sum(math.floor(t / self.safety_factor) for t in prompt.per_sequence_tokens)
+            prompt_tokens = max(surely_total, min(prompt_tokens, capacity_tokens - output_tokens))
         return Sized(
-            # n samples of one prompt share its prefix pages in both engines; outputs are per sample.
-            prompt_tokens=sum(min(t, prompt_cap) for t in prompt.per_sequence_tokens),
-            output_tokens=per_seq * sequences,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
             sequences=sequences,
             output_limit_tokens=per_seq,
             limit_given=limit is not None,

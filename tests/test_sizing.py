@@ -132,3 +132,18 @@ def test_real_tokenizer_counts_exactly(tmp_path: Path) -> None:
     assert sized.prompt_tokens == 3 and sized.exact
     with pytest.raises(ValueError, match="cannot load tokenizer"):
         load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_inflated_estimate_is_clamped_to_the_largest_rank() -> None:
+    # The bench's case: a ~128k-token prompt on ranks of 153k tokens (KV pools x0.3). x1.25 (~160k) is
+    # more than any rank holds; the unscaled estimate (128k) + output fits, so it must reserve the rank.
+    body = {"prompt": "abcd" * 128_000, "max_tokens": 4000}
+    sized = est().size("/v1/completions", body, 163_840, capacity_tokens=153_000)
+    assert sized.output_tokens == 4000
+    assert sized.prompt_tokens + sized.output_tokens == 153_000
+    # What the prompt surely holds is never clamped away: such a request stays too large (refused later).
+    big = est().size("/v1/completions", {"prompt": "abcd" * 152_000, "max_tokens": 4000}, 163_840, 153_000)
+    assert big.prompt_tokens == 152_000
+    # Exact counts are never touched by the margin logic.
+    exact = est().size("/v1/completions", {"prompt": [1] * 150_000, "max_tokens": 4000}, 163_840, 153_000)
+    assert exact.prompt_tokens == 150_000

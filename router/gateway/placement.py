@@ -34,6 +34,7 @@ class Candidates:
 
     keys: tuple[RankKey, ...]
     context_tokens: int
+    capacity_tokens: int | None = None  # the largest rank's KV pool, in whole pages (None: unknown)
 
 
 def serves(info: BackendInfo, route: Route, model: str | None) -> bool:
@@ -76,7 +77,8 @@ def candidates(store: TelemetryStore, route: Route, model: str | None) -> Candid
             param="model",
         )
     keys = tuple(RankKey(i.name, r) for i in infos for r in range(i.dp_size))
-    return Candidates(keys, min(i.max_model_len for i in infos))
+    pools = [c // max(1, i.page_size) * max(1, i.page_size) for i in infos for c in i.capacities_tokens]
+    return Candidates(keys, min(i.max_model_len for i in infos), max(pools, default=None))
 
 
 @dataclass(slots=True)

@@ -158,7 +158,7 @@ class Proxy:
         model = validate(route, payload)
         cands = self._candidates.get(route, model)
         try:
-            sized = gw.sizer.size(route, payload, cands.context_tokens)
+            sized = gw.sizer.size(route, payload, cands.context_tokens, cands.capacity_tokens)
         except SizingError as exc:
             raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
         set_output_limit(route, payload, sized.output_limit_tokens)  # the client's limit, not the prediction
