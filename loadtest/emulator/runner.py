@@ -204,6 +204,9 @@ class EngineRunner:
                 due = loop.time()
                 continue
             res = self.engine.step()
+            # Bind events to today's handles before sleeping: a request aborted during the sleep may be
+            # replaced by a new one reusing its rid, which must not receive the old one's tokens.
+            owners = {ev.rid: self._handles.get(ev.rid) for ev in res.events}
             for rid in res.preempted_rids:
                 if (h := self._handles.get(rid)) is not None:
                     h.preemptions += 1
@@ -215,15 +218,20 @@ class EngineRunner:
                     await asyncio.sleep(due - now)
             else:
                 await asyncio.sleep(0)
-            self._dispatch(res.events)
+            self._dispatch(res.events, owners=owners)
             self._sample_throughput(loop.time())
 
-    def _dispatch(self, events: Iterable[TokenEvent], abort_error: str | None = None) -> None:
+    def _dispatch(
+        self,
+        events: Iterable[TokenEvent],
+        abort_error: str | None = None,
+        owners: dict[str, RequestHandle | None] | None = None,
+    ) -> None:
         now = time.monotonic()
         cut = self.faults.abort_after_tokens
         for ev in events:
             h = self._handles.get(ev.rid)
-            if h is None:
+            if h is None or (owners is not None and owners.get(ev.rid) is not h):
                 continue
             h.pending += ev.new_tokens
             h.generated = ev.generated_tokens
