@@ -125,7 +125,12 @@ async def test_redis_restarted_mid_load(
         # Back within one circuit period (1 s) plus a wait in the queue behind the load, and streams finish.
         assert max(served_s) < 3.0 and ok_after > 0, (served_s, ok_after)
         logs = [r.log_tail(8) for r in (a, b)]  # a Redis error while Redis was up shows there
-        assert stats["preemptions_total"] == 0 and not watch.over_capacity, (stats, watch.over_capacity, logs)
+        # fail_closed admits nothing Redis has not checked: no preemption. fail_open books local shares blind
+        # while the replicas reconnect one by one (docs/replicas.md): a few preemptions may follow, never
+        # a rank over capacity, never a leak.
+        allowed = 0 if mode == "fail_closed" else 8
+        assert stats["preemptions_total"] <= allowed, (stats, logs)
+        assert not watch.over_capacity, (watch.over_capacity, logs)
         assert len(usage) == DP_SIZE and all(v == (0, 0) for v in usage.values()), usage
         for replica_rows in rows:
             assert all(r["reserved_tokens"] == 0 and r["inflight"] == 0 for r in replica_rows), rows
