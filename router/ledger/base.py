@@ -46,7 +46,9 @@ class Ledger(Protocol):
     async def register(self, capacities: Mapping[RankKey, int]) -> None:
         """Declare ranks and their capacity (idempotent; a capacity change takes effect for new reserves)."""
 
-    async def reserve(self, request_id: str, candidates: Sequence[RankKey], tokens: int) -> RankKey | None: ...
+    async def reserve(
+        self, request_id: str, candidates: Sequence[RankKey], tokens: int
+    ) -> RankKey | None: ...
 
     async def grow(self, request_id: str, tokens: int) -> bool: ...
 
