@@ -68,3 +68,39 @@ def test_a_faulty_policy_cannot_place_where_the_request_does_not_fit() -> None:
     d = decide(snap, RequestShape(100, 100), liar)
     assert d.candidates == (1,)
     assert decide(snap, RequestShape(100, 100), lambda _s, _r: [0]).action is Action.WAIT
+
+
+def test_a_blocked_head_claims_the_rank_where_it_fits_soonest_and_keeps_it() -> None:
+    from router.placement.admission import claim_rank
+
+    snap = _snap(
+        _rank(0, reserved_tokens=6_000),
+        _rank(1, reserved_tokens=3_000),
+        _rank(2, reserved_tokens=3_000),  # a tie with rank 1: the lower index wins
+        _rank(3, reserved_tokens=0, healthy=False),
+        _rank(4, capacity=5_000),  # its whole pool can never hold the head
+    )
+    head = RequestShape(9_000, 500)
+    assert claim_rank(snap, head) == 1
+    # Sticky: once claimed, a rank that drains is not abandoned for one that happens to be freer now.
+    assert claim_rank(snap, head, held=RankKey("b", 0)) == 0
+    # A held rank that turned unusable or is gone is replaced.
+    assert claim_rank(snap, head, held=RankKey("b", 3)) == 1
+    assert claim_rank(snap, head, held=RankKey("b", 9)) == 1
+    assert claim_rank(_snap(_rank(0, capacity=5_000)), head) is None
+
+
+def test_requests_behind_the_head_keep_off_its_claimed_rank() -> None:
+    from router.placement.admission import decide_behind
+
+    snap = _snap(_rank(0, reserved_tokens=2_000), _rank(1, reserved_tokens=9_500), _rank(2))
+    small, medium = RequestShape(200, 400), RequestShape(4_000, 1_000)
+    placed = decide_behind(snap, small, LOCKSTEP, claimed=2)
+    assert placed.action is Action.PLACE and 2 not in placed.candidates and placed.candidates == (0,)
+    assert set(decide_behind(snap, small, LOCKSTEP, claimed=None).candidates) == {0, 2}
+    # Fits only on the claimed rank: it waits (in line) rather than take the head's room.
+    assert decide_behind(snap, RequestShape(9_000, 0), LOCKSTEP, claimed=2).action is Action.WAIT
+    assert decide_behind(snap, medium, LOCKSTEP, claimed=0).candidates == (2,)
+    # Refusals are unchanged.
+    too_big = decide_behind(snap, RequestShape(20_000, 0), LOCKSTEP, claimed=2)
+    assert (too_big.action, too_big.reason) == (Action.REJECT, RejectReason.TOO_LARGE)

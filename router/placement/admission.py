@@ -2,7 +2,9 @@
 
 The order of the checks is the order of permanence: a request longer than the model's context window or
 larger than every rank's whole pool can never run (refuse at once, 400); no usable rank may change (503);
-a request that fits an empty usable rank but no rank now waits in the gateway's bounded queue.
+a request that fits an empty usable rank but no rank now waits in the gateway's bounded queue. A head of
+the line that cannot be placed claims one rank (:func:`claim_rank`); requests behind it may be placed on
+any other rank (:func:`decide_behind`: backfill), so one huge request does not hold up the small ones.
 """
 
 from __future__ import annotations
@@ -75,3 +77,40 @@ def decide(
     if candidates:
         return Decision(Action.PLACE, candidates=tuple(candidates))
     return Decision(Action.WAIT, detail="no rank has room now")
+
+
+def claim_rank(snapshot: Snapshot, head: RequestShape, held: RankKey | None = None) -> int | None:
+    """The rank a blocked head of the line claims, so that it drains for it: no one else is placed there.
+
+    The claim sticks (``held``) while that rank stays usable and can ever hold the head, so a draining rank
+    is never abandoned half-way; otherwise the usable rank with the most free tokens among those whose
+    whole pool can hold the head (where it fits soonest), lowest index on a tie. None: no rank can.
+    """
+    best: int | None = None
+    for i, rank in enumerate(snapshot.ranks):
+        if not (rank.usable and head.could_ever_fit(rank)):
+            continue
+        if rank.key == held:
+            return i
+        if best is None or rank.free_tokens > snapshot.ranks[best].free_tokens:
+            best = i
+    return best
+
+
+def decide_behind(
+    snapshot: Snapshot,
+    request: RequestShape,
+    policy: Policy,
+    claimed: int | None,
+    *,
+    max_context_tokens: int | None = None,
+) -> Decision:
+    """:func:`decide` for a request waiting behind a blocked head (backfill): the policy's ranking minus
+    the head's ``claimed`` rank. A request that fits only there waits, in line, for the head to go first."""
+    decision = decide(snapshot, request, policy, max_context_tokens=max_context_tokens)
+    if decision.action is not Action.PLACE or claimed is None:
+        return decision
+    others = tuple(i for i in decision.candidates if i != claimed)
+    if not others:
+        return Decision(Action.WAIT, detail="the only rank with room is claimed by the head of the line")
+    return Decision(Action.PLACE, candidates=others)
