@@ -2,6 +2,8 @@
 
 The policy and the admission decision are pure (router/placement); this module is their I/O shell. A
 request that fits nowhere now waits in the :class:`WaitQueue`; one that can never fit is refused at once.
+A blocked head of the line claims a rank (held here, valid while its flight is the head); the waiters
+behind it backfill every other rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from router.backends.base import BackendInfo, Route
 from router.ledger.base import Ledger, LedgerUnavailable, RankUsage
-from router.placement.admission import Action, RejectReason, decide
+from router.placement.admission import Action, Decision, RejectReason, claim_rank, decide, decide_behind
 from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, Snapshot
 from router.reservation.book import ReservationBook
@@ -142,6 +144,7 @@ class Placer:
         self._slots_by_keys: dict[tuple[RankKey, ...], list[_Slot]] = {}
         self._slots_version = -1
         self._last: tuple[list[_Slot], tuple[RankView, ...]] | None = None
+        self._claim: tuple[Flight, RankKey] | None = None  # (head of the line, the rank it claimed)
 
     def _view(self, key: RankKey, usage: RankUsage | None) -> RankView:
         truth = self.store.rank(key)
@@ -186,13 +189,32 @@ class Placer:
             slots = self._slots_by_keys[tuple(keys)] = [_Slot(k, self.load.get(k)) for k in keys]
         return slots
 
-    async def _attempt(self, flight: Flight, keys: Sequence[RankKey]) -> RankKey | None:
+    def claimed(self) -> RankKey | None:
+        """The rank the head of the line holds, if the head that claimed it is still the head."""
+        claim = self._claim
+        return claim[1] if claim is not None and claim[0] is self.queue.head_owner else None
+
+    def _decide(self, snap: Snapshot, flight: Flight, behind: bool) -> Decision:
+        """The head (or a newcomer) may use any rank, and claims one when blocked; a waiter behind a
+        blocked head may use any rank but the claimed one."""
+        held = self.claimed()
+        if behind:
+            at = next((i for i, r in enumerate(snap.ranks) if r.key == held), None)
+            return decide_behind(snap, flight.shape, self.policy, at)
+        decision = decide(snap, flight.shape, self.policy)
+        if decision.action is Action.WAIT and self.queue.head_owner is flight:
+            mine = held if self._claim is not None and self._claim[0] is flight else None
+            at = claim_rank(snap, flight.shape, mine)
+            self._claim = (flight, snap.ranks[at].key) if at is not None else None
+        return decision
+
+    async def _attempt(self, flight: Flight, keys: Sequence[RankKey], behind: bool = False) -> RankKey | None:
         """One placement try: None = no room now; raises ApiError when the request can never run."""
         snap = await self.snapshot(keys)
         book, plan = self.book, flight.plan
         if book is not None and plan is not None:  # predicted: keep each rank's over-commit headroom free
             snap = book.adjust(snap, plan)
-        decision = decide(snap, flight.shape, self.policy)
+        decision = self._decide(snap, flight, behind)
         if decision.action is Action.REJECT:
             if decision.reason is RejectReason.NO_HEALTHY_RANK:
                 raise ApiError(503, decision.detail, code="no_healthy_rank", headers={"Retry-After": "1"})
@@ -217,7 +239,11 @@ class Placer:
             raise ApiError(503, "no rank left to try", code="no_healthy_rank", headers={"Retry-After": "1"})
         start_s = time.perf_counter()
         try:
-            key = await self.queue.admit(lambda: self._attempt(flight, allowed))
+            key = await self.queue.admit(
+                lambda: self._attempt(flight, allowed),
+                behind=lambda: self._attempt(flight, allowed, behind=True),
+                owner=flight,
+            )
         except QueueFull:
             raise ApiError(
                 429,

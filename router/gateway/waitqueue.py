@@ -12,6 +12,11 @@ always queued behind a non-empty line, a line that formed once would never drain
 and requests would be refused (429) with the ranks idle (measured: loadtest/bench/soak.py, ~half of all
 requests). So a newcomer tries at once unless the current head is *blocked* (has tried and found no room);
 in the zero-latency limit (the simulator) the two rules are the same.
+
+Backfill: a waiter that passes ``behind`` (an attempt that keeps off the rank the blocked head claimed,
+router/placement/admission.py) does not idle behind a blocked head: it tries ``behind`` on arrival and on
+every wake-up and poll, in line order, and leaves the line when placed. The head is still the only one
+that may use its claimed rank, so it is not starved. Without ``behind`` a waiter keeps the strict rule.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class WaitQueue:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self._waiters: deque[asyncio.Event] = deque()
+        self._owners: dict[asyncio.Event, object] = {}  # waiter -> its caller's ``owner`` (if any)
+        self._backfill: set[asyncio.Event] = set()  # waiters that pass ``behind``
         self.closed = False
         self._head_blocked = False  # the current head tried and found no room
 
@@ -51,10 +58,24 @@ class WaitQueue:
     def depth(self) -> int:
         return len(self._waiters)
 
+    @property
+    def head_owner(self) -> object | None:
+        """The ``owner`` the head of the line was admitted with (who holds the claim), or None."""
+        return self._owners.get(self._waiters[0]) if self._waiters else None
+
     def wake(self) -> None:
-        """Room may have appeared: let the head try again."""
-        if self._waiters:
-            self._waiters[0].set()
+        """Room may have appeared: let the head try again, and the backfilling waiters behind it."""
+        if not self._waiters:
+            return
+        self._waiters[0].set()
+        if self._head_blocked:
+            self._wake_backfill()
+
+    def _wake_backfill(self) -> None:
+        if self._backfill:
+            for event in self._waiters:  # in line order: the loop runs them first come, first served
+                if event in self._backfill:
+                    event.set()
 
     def close(self) -> None:
         """Refuse every request from now on, those already waiting included (shutdown)."""
@@ -62,10 +83,17 @@ class WaitQueue:
         for event in self._waiters:
             event.set()
 
-    async def admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+    async def admit(
+        self,
+        attempt: Callable[[], Awaitable[T | None]],
+        behind: Callable[[], Awaitable[T | None]] | None = None,
+        owner: object | None = None,
+    ) -> T:
         """Run ``attempt`` now if nobody waits, else (or when it finds no room) wait in line and retry.
 
-        ``attempt`` returns None for "no room now" and may raise to refuse outright.
+        ``attempt`` returns None for "no room now" and may raise to refuse outright. ``behind`` is the
+        attempt to make while waiting behind a blocked head (backfill); ``owner`` names the caller while
+        it is the head (:attr:`head_owner`).
         """
         if self.closed:
             raise QueueClosed
@@ -73,32 +101,60 @@ class WaitQueue:
             got = await attempt()
             if got is not None:
                 return got
+        elif behind is not None:
+            got = await behind()
+            if got is not None:
+                return got
         if len(self._waiters) >= self.max_waiting:
             raise QueueFull
         deadline_s = time.monotonic() + self.timeout_s
         event = asyncio.Event()
         self._waiters.append(event)
+        if owner is not None:
+            self._owners[event] = owner
+        if behind is not None:
+            self._backfill.add(event)
         try:
-            while True:
-                if self.closed:
-                    raise QueueClosed
-                head = self._waiters[0] is event
-                if head:
-                    got = await attempt()
-                    if got is not None:
-                        return got
-                    self._head_blocked = True
-                remaining_s = deadline_s - time.monotonic()
-                if remaining_s <= 0:
-                    raise QueueTimeout
-                event.clear()
-                # asyncio.timeout, not wait_for: no extra task, one loop wake-up less per hand-over
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(remaining_s, self.poll_s) if head else remaining_s):
-                        await event.wait()
+            return await self._wait(event, deadline_s, attempt, behind)
         finally:
             was_head = self._waiters[0] is event
             self._waiters.remove(event)
+            self._owners.pop(event, None)
+            self._backfill.discard(event)
             if was_head:
                 self._head_blocked = False  # the next head has not tried yet
                 self.wake()
+
+    async def _wait(
+        self,
+        event: asyncio.Event,
+        deadline_s: float,
+        attempt: Callable[[], Awaitable[T | None]],
+        behind: Callable[[], Awaitable[T | None]] | None,
+    ) -> T:
+        """Wait in line until placed; the head polls, as does a backfilling waiter behind a blocked head."""
+        while True:
+            if self.closed:
+                raise QueueClosed
+            head = self._waiters[0] is event
+            polls = head
+            if head:
+                got = await attempt()
+                if got is not None:
+                    return got
+                if not self._head_blocked:  # the head now holds a claim: those behind may backfill
+                    self._head_blocked = True
+                    self._wake_backfill()
+            elif behind is not None and self._head_blocked:
+                polls = True
+                got = await behind()
+                if got is not None:
+                    return got
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0:
+                raise QueueTimeout
+            event.clear()
+            # asyncio.timeout, not wait_for: no extra task, one loop wake-up less per hand-over
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(remaining_s, self.poll_s) if polls else remaining_s):
+                    await event.wait()
