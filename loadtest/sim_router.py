@@ -8,7 +8,9 @@ simulator reads them fresh from the engine, where the two are equal (they differ
 which does not happen behind the router's reservations).
 
 Admission mirrors ``router.gateway.waitqueue``: requests that fit nowhere now wait in a bounded FIFO; only
-the head tries to place itself; a newcomer queues behind existing waiters; each waiter has a deadline.
+the head tries to place itself; each waiter has a deadline. A blocked head claims one rank
+(``router.placement.admission.claim_rank``) and the waiters behind it, newcomers included, backfill every
+other rank in line order (``decide_behind``); those that fit only on the claimed rank keep waiting.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Literal
 from loadtest.engine_types import RankLoad
 from loadtest.sim_reservation import SimReservations
 from loadtest.workload import RequestSpec
-from router.placement.admission import Action, decide
+from router.placement.admission import Action, Decision, claim_rank, decide, decide_behind
 from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, RequestShape, Snapshot
 
@@ -81,6 +83,7 @@ class SimRouter:
         self.tick = 0
         self._keys = tuple(RankKey("sim", i) for i in range(n))
         self._held: dict[int, tuple[int, int, int]] = {}  # index -> (rank, tokens, prompt pending or 0)
+        self.claimed: tuple[int, int] | None = None  # (request index of the blocked head, its claimed rank)
 
     # ---- sizing and snapshot -------------------------------------------------------------------------
     def shape(self, spec: RequestSpec) -> RequestShape:
@@ -120,13 +123,30 @@ class SimRouter:
         return Snapshot(ranks=ranks, tick=self.tick)
 
     # ---- admission -----------------------------------------------------------------------------------
-    def _try(self, spec: RequestSpec, shape: RequestShape) -> Placed | Refused | None:
+    def _decide(self, snap: Snapshot, spec: RequestSpec, shape: RequestShape, head: bool) -> Decision:
+        """The head may use any rank and claims one when blocked; anyone else keeps off the claimed rank."""
+        limit = self.config.max_context_tokens
+        claim = self.claimed
+        if claim is not None and self.queue and self.queue[0][0].index != claim[0]:
+            claim = self.claimed = None  # that head left (placed or timed out): its claim with it
+        if not head:
+            return decide_behind(
+                snap, shape, self.policy, claim[1] if claim else None, max_context_tokens=limit
+            )
+        d = decide(snap, shape, self.policy, max_context_tokens=limit)
+        if d.action is Action.WAIT:
+            held = self._keys[claim[1]] if claim is not None and claim[0] == spec.index else None
+            at = claim_rank(snap, shape, held)
+            self.claimed = (spec.index, at) if at is not None else None
+        return d
+
+    def _try(self, spec: RequestSpec, shape: RequestShape, head: bool = True) -> Placed | Refused | None:
         """One decision: placed, refused for good, or None (no room now)."""
         snap = self.snapshot()
         if self.reservations is not None:
             snap = self.reservations.adjust(snap, spec.index)
         self.tick += 1
-        d = decide(snap, shape, self.policy, max_context_tokens=self.config.max_context_tokens)
+        d = self._decide(snap, spec, shape, head)
         if d.action is Action.REJECT:
             assert d.reason is not None
             return Refused(spec, d.reason.value)
@@ -148,15 +168,8 @@ class SimRouter:
         shape = self.shape(spec)
         if spec.prompt_tokens >= self.config.max_context_tokens:
             return Refused(spec, "context_length")
-        if self.queue:  # FIFO: refuse what can never run, otherwise wait behind the others
-            out = decide(
-                self.snapshot(), shape, lambda _s, _r: [], max_context_tokens=self.config.max_context_tokens
-            )
-            if out.action is Action.REJECT:
-                assert out.reason is not None
-                return Refused(spec, out.reason.value)
-            return self._enqueue(spec, shape, now_s)
-        got = self._try(spec, shape)
+        # Behind a blocked head (any line is one: pump leaves a head only when it cannot place), backfill.
+        got = self._try(spec, shape, head=not self.queue)
         return got if got is not None else self._enqueue(spec, shape, now_s)
 
     def _enqueue(self, spec: RequestSpec, shape: RequestShape, now_s: float) -> Refused | None:
@@ -166,7 +179,8 @@ class SimRouter:
         return None
 
     def pump(self, now_s: float) -> list[Placed | Refused]:
-        """Expire waiters past their deadline, then place from the head while it fits."""
+        """Expire waiters past their deadline, place from the head while it fits, then backfill behind
+        the blocked head in line order."""
         out: list[Placed | Refused] = []
         while self.queue:
             spec, shape, deadline_s = self.queue[0]
@@ -179,6 +193,23 @@ class SimRouter:
                 break
             self.queue.popleft()
             out.append(got)
+        if len(self.queue) > 1:
+            out.extend(self._backfill(now_s))
+        return out
+
+    def _backfill(self, now_s: float) -> list[Placed | Refused]:
+        out: list[Placed | Refused] = []
+        kept: deque[tuple[RequestSpec, RequestShape, float]] = deque([self.queue[0]])
+        for waiter in list(self.queue)[1:]:
+            spec, shape, deadline_s = waiter
+            got = (
+                Refused(spec, "queue_timeout") if now_s >= deadline_s else self._try(spec, shape, head=False)
+            )
+            if got is None:
+                kept.append(waiter)
+            else:
+                out.append(got)
+        self.queue = kept
         return out
 
     # ---- engine feedback -----------------------------------------------------------------------------
