@@ -99,7 +99,12 @@ def run(settings: Settings) -> None:
 
 
 def serve_command(
-    config: Annotated[Path | None, typer.Option("--config", help="YAML/JSON settings file.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="YAML/JSON settings file (flags win over KVROUTER_* env, which wins over it)."
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Listen address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port (default 8080).")] = None,
     backend: Annotated[
@@ -107,29 +112,75 @@ def serve_command(
         typer.Option(help="ENGINE=URL, repeatable: sglang=URL, vllm=URL, vllm-external=URL0,URL1,..."),
     ] = None,
     policy: Annotated[str | None, typer.Option(help="Placement policy (default lockstep).")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="Shared ledger (default: in-process).")] = None,
-    workers: Annotated[int | None, typer.Option(help="uvicorn worker processes (needs --redis-url).")] = None,
-    replicas: Annotated[int | None, typer.Option(help="Router replicas sharing the ledger.")] = None,
-    ledger_namespace: Annotated[str | None, typer.Option(help="Redis key namespace.")] = None,
-    api_key: Annotated[list[str] | None, typer.Option(help="Accepted client key, repeatable.")] = None,
-    admin_token: Annotated[str | None, typer.Option(help="Bearer token guarding /ranks.")] = None,
-    default_max_tokens: Annotated[int | None, typer.Option(help="Output reservation when unset.")] = None,
-    tokenizer_path: Annotated[str | None, typer.Option("--tokenizer", help="tokenizer.json path.")] = None,
-    queue_max: Annotated[int | None, typer.Option(help="Waiting requests before 429.")] = None,
-    queue_timeout_s: Annotated[float | None, typer.Option("--queue-timeout", help="503 after, s.")] = None,
-    request_timeout_s: Annotated[float | None, typer.Option("--request-timeout", help="Upstream, s.")] = None,
-    connect_timeout_s: Annotated[float | None, typer.Option("--connect-timeout", help="Upstream, s.")] = None,
-    max_body_bytes: Annotated[int | None, typer.Option(help="Largest request body (413 above).")] = None,
-    shutdown_grace_s: Annotated[
-        float | None, typer.Option("--shutdown-grace", help="SIGTERM: in-flight may finish, s.")
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Redis URL: one ledger shared by replicas/workers (default: in-process)."),
     ] = None,
-    max_header_bytes: Annotated[int | None, typer.Option(help="Largest request head (431 above).")] = None,
-    reconcile_interval_s: Annotated[float | None, typer.Option("--reconcile-interval", help="s.")] = None,
-    lease_ttl_s: Annotated[float | None, typer.Option("--lease-ttl", help="Reservation lease, s.")] = None,
-    ledger_failure_mode: Annotated[str | None, typer.Option(help="fail_closed or fail_open.")] = None,
-    ledger_timeout_s: Annotated[float | None, typer.Option("--ledger-timeout", help="Redis call, s.")] = None,
+    workers: Annotated[int | None, typer.Option(help="uvicorn worker processes (needs --redis-url).")] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(help="How many router replicas share the Redis ledger (fail_open sizes shares by it)."),
+    ] = None,
+    ledger_namespace: Annotated[
+        str | None, typer.Option(help="Redis key namespace: one per deployment (default 'default').")
+    ] = None,
+    api_key: Annotated[
+        list[str] | None, typer.Option(help="Accepted client API key (Bearer), repeatable; none = open.")
+    ] = None,
+    admin_token: Annotated[
+        str | None, typer.Option(help="Bearer token guarding /ranks and drain/undrain.")
+    ] = None,
+    default_max_tokens: Annotated[
+        int | None, typer.Option(help="Output tokens reserved when a request sets no max_tokens (512).")
+    ] = None,
+    tokenizer_path: Annotated[
+        str | None,
+        typer.Option("--tokenizer", help="tokenizer.json for exact prompt counts (default: bytes/4 x 1.25)."),
+    ] = None,
+    queue_max: Annotated[
+        int | None, typer.Option(help="Requests that may wait for KV room before 429 (256).")
+    ] = None,
+    queue_timeout_s: Annotated[
+        float | None,
+        typer.Option("--queue-timeout", help="Longest wait for KV room before 503, seconds (30)."),
+    ] = None,
+    request_timeout_s: Annotated[
+        float | None,
+        typer.Option("--request-timeout", help="Whole upstream request incl. stream, seconds (600)."),
+    ] = None,
+    connect_timeout_s: Annotated[
+        float | None, typer.Option("--connect-timeout", help="Upstream connect, seconds (5).")
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option(help="Largest request body in bytes (413 above; 16 MiB).")
+    ] = None,
+    shutdown_grace_s: Annotated[
+        float | None,
+        typer.Option("--shutdown-grace", help="After SIGTERM, seconds in-flight streams may finish (30)."),
+    ] = None,
+    max_header_bytes: Annotated[
+        int | None, typer.Option(help="Largest request head in bytes (431 above; 64 KiB).")
+    ] = None,
+    reconcile_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            "--reconcile-interval", help="Seconds between polls of every engine's per-rank truth (1)."
+        ),
+    ] = None,
+    lease_ttl_s: Annotated[
+        float | None,
+        typer.Option("--lease-ttl", help="Reservation lease in seconds, renewed while a stream lives (60)."),
+    ] = None,
+    ledger_failure_mode: Annotated[
+        str | None, typer.Option(help="Redis unreachable: fail_closed (503) or fail_open (local share).")
+    ] = None,
+    ledger_timeout_s: Annotated[
+        float | None, typer.Option("--ledger-timeout", help="Bound on each Redis call, seconds (0.25).")
+    ] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level.")] = None,
-    reservation_mode: Annotated[str | None, typer.Option(help="max or predicted.")] = None,
+    reservation_mode: Annotated[
+        str | None, typer.Option(help="Output reservation: max (prompt+max_tokens) or predicted (learned).")
+    ] = None,
     reservation_target_preemption_rate: Annotated[
         float | None, typer.Option(help="predicted: preemption target of the over-commit budget (0.01).")
     ] = None,
@@ -137,10 +188,20 @@ def serve_command(
     reservation_step_tokens: Annotated[int | None, typer.Option(help="predicted: growth slack (64).")] = None,
     reservation_bound: Annotated[str | None, typer.Option(help="predicted: normal or bernstein.")] = None,
     reservation_share_interval_s: Annotated[
-        float | None, typer.Option("--reservation-share-interval", help="Predictor sync via Redis, s.")
+        float | None,
+        typer.Option(
+            "--reservation-share-interval", help="Seconds between predictor syncs through Redis (5)."
+        ),
     ] = None,
 ) -> None:
-    """Run the KV-aware gateway in front of SGLang / vLLM data-parallel deployments."""
+    """Run the KV-aware gateway in front of SGLang / vLLM data-parallel deployments.
+
+    Each request is sized (prompt + output reservation, in pages), placed on a rank where its KV fits.
+
+    It is pinned there, streamed back, and its reservation released on every exit.
+
+    Example: kvrouter serve --backend sglang=http://10.0.0.5:30000 --policy lockstep
+    """
     from router.cli import fail
 
     try:
