@@ -48,6 +48,7 @@ from router.ledger import redis_scripts as lua
 from router.ledger.base import LedgerUnavailable, RankUsage, Reservation
 from router.ledger.local_share import LocalShare
 from router.ledger.memory import DEFAULT_LEASE_TTL_S, check_capacities, check_tokens
+from router.ledger.redis_codec import FieldCodec
 from router.placement.snapshot import RankKey
 
 RESERVE_EXPIRE_BATCH: Final[int] = 16  # dead leases reclaimed in passing by each reserve
@@ -88,8 +89,7 @@ class RedisLedger:
         self._down_until_s = 0.0
         self._needs_resync = False
         self._resync_lock = asyncio.Lock()
-        self._fields: dict[RankKey, str] = {}
-        self._keys_by_field: dict[str, RankKey] = {}
+        self._codec = FieldCodec()
         self.round_trips = 0
         self.local_reserves = 0
 
@@ -143,7 +143,7 @@ class RedisLedger:
         caps = dict(capacities)
         self._share.register(caps)
         if caps:
-            await self._guard(self._eval(lua.RESYNC, [self._ttl_ms, *self._cap_args(caps)]), None)
+            await self._guard(self._eval(lua.RESYNC, [self._ttl_ms, *self._codec.cap_args(caps)]), None)
 
     async def reserve(self, request_id: str, candidates: Sequence[RankKey], tokens: int) -> RankKey | None:
         check_tokens(tokens, allow_zero=False)
@@ -226,13 +226,13 @@ class RedisLedger:
         if value is None:
             return None
         tokens, generated, field = str(value).split(":", 2)
-        return Reservation(request_id, self._key(field), int(tokens), int(generated))
+        return Reservation(request_id, self._codec.key(field), int(tokens), int(generated))
 
     async def usage(self) -> dict[RankKey, RankUsage]:
         try:
             for _ in range(2):
                 await self._sync_if_needed()
-                usage = self._parse_usage(await self._eval(lua.USAGE, [USAGE_EXPIRE_BATCH]))
+                usage = self._codec.parse_usage(await self._eval(lua.USAGE, [USAGE_EXPIRE_BATCH]))
                 if all(key in usage for key in self._share.capacity_tokens):
                     if not self._settling():  # while settling Redis may miss others' part: keep the old view
                         self._share.observe({key: u.reserved_tokens for key, u in usage.items()})
@@ -302,7 +302,7 @@ class RedisLedger:
             if not candidates:
                 return None
         args: list[str | int] = [request_id, tokens, self._ttl_ms, RESERVE_EXPIRE_BATCH]
-        args += map(self._field, candidates)
+        args += map(self._codec.field, candidates)
         try:
             index = int(await self._eval(lua.RESERVE, args))
         except ResponseError as exc:
@@ -365,14 +365,14 @@ class RedisLedger:
     async def _resync(self, owned_ids: list[str] | None) -> None:
         """Write back capacities, owned reservations (all, or ``owned_ids``) and local ones, in one trip."""
         live = self._share.live_owned()
-        args: list[str | int] = [self._ttl_ms, *self._cap_args(self._share.capacity_tokens)]
+        args: list[str | int] = [self._ttl_ms, *self._codec.cap_args(self._share.capacity_tokens)]
         written = [rid for rid in (live if owned_ids is None else owned_ids) if rid in live]
         for rid in written:
             held = live[rid]
-            args += [rid, self._field(held.key), held.tokens, held.generated_tokens]
+            args += [rid, self._codec.field(held.key), held.tokens, held.generated_tokens]
         migrating = self._share.local.held()
         for rid, r in migrating.items():
-            args += [rid, self._field(r.key), r.tokens, r.generated_tokens]
+            args += [rid, self._codec.field(r.key), r.tokens, r.generated_tokens]
         await self._eval(lua.RESYNC, args)
         self._needs_resync = False
         self._settle_until_s = self._clock() + self.settle_s
@@ -383,31 +383,3 @@ class RedisLedger:
                 self._share.own(rid, r.key, r.tokens, r.generated_tokens)
             else:  # it ended while the write was in flight
                 self._pending_release.add(rid)
-
-    # --- encoding -----------------------------------------------------------------------------------
-    def _cap_args(self, caps: Mapping[RankKey, int]) -> list[str | int]:
-        args: list[str | int] = [len(caps)]
-        for key, capacity_tokens in caps.items():
-            args += [self._field(key), capacity_tokens]
-        return args
-
-    def _field(self, key: RankKey) -> str:
-        field = self._fields.get(key)
-        if field is None:
-            field = self._fields[key] = f"{key.rank}:{key.backend}"
-            self._keys_by_field[field] = key
-        return field
-
-    def _key(self, field: str) -> RankKey:
-        key = self._keys_by_field.get(field)
-        if key is None:
-            rank, backend = field.split(":", 1)
-            key = self._keys_by_field[field] = RankKey(backend, int(rank))
-        return key
-
-    def _parse_usage(self, raw: str) -> dict[RankKey, RankUsage]:
-        usage: dict[RankKey, RankUsage] = {}
-        for row in raw.split("\x1e") if raw else ():
-            cap, res, inf, gen, field = row.split("\x1f", 4)
-            usage[self._key(field)] = RankUsage(int(cap), int(res), int(inf), int(gen))
-        return usage
