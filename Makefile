@@ -30,8 +30,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# End-to-end tests run real processes on a shared box; a rare hang in two of them (a SIGTERM drain
+# waiting on its process, a router shutdown) is under investigation, so a failure is retried once and
+# reported as "rerun" in the summary: a real regression fails twice.
 test: lint typecheck
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest --reruns 1 --reruns-delay 1 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/python -m loadtest.demo
