@@ -324,6 +324,7 @@ async def test_client_hints_are_learned_apart_and_bad_hints_refused() -> None:
             assert sorted(await asyncio.gather(*warm)) == [16] * 20 + [160] * 20
             held: dict[str, int] = {}
             for label, real in (("summary.v1", 16), ("essay_v2", 160)):
+                await ranks_settled(url)  # a client sees [DONE] a moment before the router releases
 
                 async def look(generated: int, label: str = label) -> None:
                     if label not in held:  # the first event: a few tokens at most, far from any growth
