@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
+from asgi_server import serve_asgi
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -47,21 +47,12 @@ class FakeEngine:
 @contextlib.asynccontextmanager
 async def serve(app: Starlette, release: asyncio.Event | None = None) -> AsyncIterator[str]:
     """Run ``app`` on a free loopback port for the duration of the block; yields its base URL."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.005)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if release is not None:
-            release.set()  # let hung handlers finish so the server can shut down
-        server.should_exit = True
-        await task
+    async with serve_asgi(app, lifespan="off") as url:
+        try:
+            yield url
+        finally:
+            if release is not None:
+                release.set()  # let hung handlers finish before the server shuts down
 
 
 def models_payload(max_model_len: int, owned_by: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
-import uvicorn
+from asgi_server import serve_asgi
 
 from loadtest.emulator.app import EmulatorSettings
 from loadtest.emulator.host import EmulatorThread
@@ -29,18 +29,7 @@ def emulator(**kw: Any) -> Iterator[EmulatorThread]:
 async def router(ready: bool = True, **kw: Any) -> AsyncIterator[str]:
     """A gateway on 127.0.0.1:<free port>; waits for /ready unless ``ready`` is False."""
     settings = Settings(**{"port": 0, "reconcile_interval_s": 0.1, **kw})
-    config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on", loop="asyncio"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("router exited during startup")
-            await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    async with serve_asgi(create_app(settings)) as url:
         if ready:
             async with httpx.AsyncClient() as http:
                 for _ in range(500):
@@ -50,9 +39,6 @@ async def router(ready: bool = True, **kw: Any) -> AsyncIterator[str]:
                 else:
                     raise RuntimeError("router never became ready")
         yield url
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def get_json(url: str, **kw: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from asgi_server import serve_asgi
 
 from router.config import Settings
 from router.gateway import create_app
@@ -72,32 +73,13 @@ async def serve_router(
 ) -> AsyncIterator[str]:
     """A gateway in this process on 127.0.0.1:<free port>, with the protocol `kvrouter serve` uses."""
     settings = Settings(**{"port": 0, "reconcile_interval_s": 0.1, **kw})
-    config = uvicorn.Config(
-        create_app(settings),
-        host="127.0.0.1",
-        port=0,
-        log_level="warning",
-        lifespan="on",
-        loop="asyncio",
-        http=http_protocol,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
-        timeout_graceful_shutdown=2,
+    served = serve_asgi(
+        create_app(settings), http=http_protocol, h11_max_incomplete_event_size=settings.max_header_bytes
     )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("router exited during startup")
-            await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    async with served as url:
         if ready:
             await wait_ready(url)
         yield url
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def wait_ready(url: str, timeout_s: float = 10.0, **kw: Any) -> None:
