@@ -15,31 +15,19 @@ from typing import Any
 
 import aiohttp
 import orjson
-from starlette.types import Receive, Scope, Send
 from yarl import URL
 
 from router.backends.base import BackendError, Route
 from router.placement.snapshot import RankKey, RequestShape
 from router.sizing import SizingError
 
-from .asgi import (
-    AUTHORIZATION,
-    CONTENT_LENGTH,
-    JSON_TYPE,
-    ClientLeft,
-    Headers,
-    Reply,
-    error_reply,
-    media_type,
-    read_body,
-    request_headers,
-)
 from .auth import check_bearer
 from .errors import ApiError, upstream_error_body
+from .exchange import AUTHORIZATION, JSON_TYPE, ClientLeft, Exchange, Headers, Reply, error_reply, media_type
 from .flight import Flight
 from .output_plan import output_hint, plan_request
 from .placement import CandidateCache, Candidates
-from .relay import DisconnectWatch, RelayResponse, sum_completion_tokens
+from .relay import RelayResponse, sum_completion_tokens
 from .runtime import Gateway
 
 # Client-supplied rank pins and engine request ids: no client ever chooses a rank (an out-of-range rank
@@ -132,11 +120,10 @@ class Proxy:
             parsed = self._urls[url] = URL(url)
         return parsed
 
-    async def serve(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
-        """The whole request, as raw ASGI; every refusal is counted once, as a rejection and as an answered
-        request."""
+    async def serve(self, exchange: Exchange, route: Route) -> None:
+        """The whole request; every refusal is counted once, as a rejection and as an answered request."""
         try:
-            reply = await self._handle(scope, receive, route)
+            reply = await self._handle(exchange, route)
         except ApiError as exc:
             self.gw.metrics.rejections.labels(exc.code).inc()
             if not exc.counted:  # refused before a flight existed: nothing else counted it
@@ -144,17 +131,15 @@ class Proxy:
             reply = error_reply(exc)
         except ClientLeft:
             return
-        await reply(scope, receive, send)
+        await reply(exchange)
 
-    async def _handle(self, scope: Scope, receive: Receive, route: Route) -> Reply | RelayResponse:
+    async def _handle(self, exchange: Exchange, route: Route) -> Reply | RelayResponse:
         """Everything up to the answer; the flight is finished (released) before a whole answer is sent, and
         by the relay once a stream ends."""
         gw = self.gw
-        headers = request_headers(scope)
+        headers = exchange.headers
         check_bearer(headers.get(AUTHORIZATION, ""), gw.settings)
-        payload = parse_json(
-            await read_body(receive, headers.get(CONTENT_LENGTH), gw.settings.max_body_bytes)
-        )
+        payload = parse_json(await exchange.body(gw.settings.max_body_bytes))
         model = validate(route, payload)
         cands = self._candidates.get(route, model)
         try:
@@ -167,19 +152,16 @@ class Proxy:
         output_tokens = sized.output_tokens if plan is None else plan.output_tokens * sized.sequences
         shape = RequestShape(sized.prompt_tokens, output_tokens, entropy=gw.placer.entropy())
         flight = Flight(os.urandom(16).hex(), route, sized, shape, stream, model=model or "", plan=plan)
-        watch = DisconnectWatch(receive)
         gw.begin(flight)
         handed_off = False
         status = 500
-        watch.start()
+        exchange.watch()  # a client that leaves from here on cancels this task
         try:
             result = await self._forward(flight, payload, cands)
             status = result.status if isinstance(result, Buffered) else 200
             if isinstance(result, Streaming):
                 handed_off = True
-                return RelayResponse(
-                    gw, flight, result.upstream, result.first_chunk, watch, _rank_header(flight)
-                )
+                return RelayResponse(gw, flight, result.upstream, result.first_chunk, _rank_header(flight))
             flight.on_tokens(gw.load, sum_completion_tokens(result.body) if status == 200 else 0)
             if status >= 400:  # the engine refused: its words, in the one error shape clients parse
                 body = upstream_error_body(status, result.body)
@@ -191,7 +173,7 @@ class Proxy:
             exc.counted = True
             raise
         except asyncio.CancelledError:
-            if not watch.absorb():
+            if not exchange.absorb():
                 raise
             flight.outcome = "client_disconnect"
             status = 499
@@ -199,7 +181,7 @@ class Proxy:
             return Reply(499, b"", [], None)
         finally:
             if not handed_off:
-                watch.stop()
+                exchange.unwatch()
                 await gw.finish(flight, status)
 
     async def _forward(

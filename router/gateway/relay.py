@@ -6,27 +6,28 @@ replaced by the engine's own cumulative ``completion_tokens`` whenever a chunk c
 ``/generate`` meta_info on every event, the OpenAI usage chunk at the end), which is exact and may correct
 the estimate downwards. The counts feed the ledger in batches, not per event.
 
-A client that goes away is noticed by :class:`DisconnectWatch` (uvicorn's ``send`` silently drops data for
-a closed connection, so only ``receive`` tells), which cancels the request's task; the relay then closes
-the upstream connection (both engines abort a request whose connection closes) and asks the backend to
-abort by id. Whatever ends the stream, the flight is finished (its reservation released) exactly once.
+A client that goes away cancels the request's task (the exchange's watch: router/gateway/exchange.py);
+the relay then closes the upstream connection (both engines abort a request whose connection closes) and
+asks the backend to abort by id. Whatever ends the stream, the flight is finished (its reservation
+released) exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from typing import TYPE_CHECKING
 
 import aiohttp
-from starlette.types import Message, Receive, Scope, Send
 
 from router.telemetry import observe_spread
 
 from .errors import sse_error_event
 
 if TYPE_CHECKING:
+    from .exchange import Exchange
     from .flight import Flight
     from .runtime import Gateway
 
@@ -43,44 +44,6 @@ SSE_HEADERS = [
 
 class ClientGone(Exception):
     """The client closed its connection before the response ended."""
-
-
-class DisconnectWatch:
-    """Cancels the request's task when the client disconnects, until :meth:`stop`."""
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._task: asyncio.Task[object] | None = None
-        self._listener: asyncio.Task[None] | None = None
-        self.gone = False
-        self._armed = False
-
-    def start(self) -> None:
-        self._task = asyncio.current_task()
-        self._armed = True
-        self._listener = asyncio.get_running_loop().create_task(self._listen())
-
-    async def _listen(self) -> None:
-        while True:
-            message: Message = await self._receive()
-            if message["type"] == "http.disconnect":
-                if self._armed and self._task is not None:
-                    self.gone = True
-                    self._task.cancel()
-                return
-
-    def stop(self) -> None:
-        self._armed = False
-        if self._listener is not None:
-            self._listener.cancel()
-            self._listener = None
-
-    def absorb(self) -> bool:
-        """After a CancelledError: True (and the cancel undone) if it was ours, i.e. the client left."""
-        if not self.gone or self._task is None:
-            return False
-        self._task.uncancel()
-        return True
 
 
 def last_completion_tokens(chunk: bytes) -> int | None:
@@ -119,7 +82,7 @@ def count_chunk(flight: Flight, chunk: bytes) -> int:
 
 
 class RelayResponse:
-    """Streams an already-opened upstream response as raw ASGI; owns the flight's end from here on."""
+    """Streams an already-opened upstream response to the client; owns the flight's end from here on."""
 
     def __init__(
         self,
@@ -127,7 +90,6 @@ class RelayResponse:
         flight: Flight,
         upstream: aiohttp.ClientResponse,
         first_chunk: bytes,
-        watch: DisconnectWatch,
         extra_headers: list[tuple[bytes, bytes]],
     ) -> None:
         self._gw = gateway
@@ -136,19 +98,18 @@ class RelayResponse:
         flight.cut = self._cut
         flight.role_events = flight.sized.sequences if flight.route == CHAT_ROUTE else 0
         self._first = first_chunk
-        self._watch = watch
         self._raw = SSE_HEADERS + extra_headers
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, exchange: Exchange) -> None:
         gw, flight = self._gw, self._flight
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self._raw})
-            await self._pump(send)
+            await exchange.start(200, self._raw)
+            await self._pump(exchange)
             flight.outcome = "ok"
             if flight.key is not None:  # served to the end: the rank's breaker closes
                 gw.store.report_upstream(flight.key, True)
         except asyncio.CancelledError:
-            if not self._watch.absorb():
+            if not exchange.absorb():
                 flight.outcome = "cancelled"
                 raise
             flight.outcome = "client_disconnect"
@@ -160,13 +121,13 @@ class RelayResponse:
                 flight.outcome = "shutdown"
             elif flight.key is not None:  # the rank died mid-stream: its breaker counts it
                 gw.store.report_upstream(flight.key, False, f"stream broken: {type(exc).__name__}")
-            await self._fail(send, exc)
+            await self._fail(exchange, exc)
         finally:
-            self._watch.stop()
+            exchange.unwatch()
             await self._close_upstream(gw, flight)
             await gw.finish(flight, 200)
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, exchange: Exchange) -> None:
         gw, flight = self._gw, self._flight
         load = gw.load
         itl = gw.metrics.itl_of(flight.route, flight.model)
@@ -185,29 +146,18 @@ class RelayResponse:
                 batch = flight.generated_tokens - flight.reported_tokens >= REPORT_EVERY_TOKENS
                 if batch or flight.generated_tokens >= flight.grow_at_tokens:  # or growth due (predicted)
                     await gw.report_tokens(flight)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await exchange.write(chunk)
             chunk = await content.readany()
-        self._watch.stop()  # the last send completes the response, after which uvicorn reports "disconnect"
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await exchange.end()
 
-    async def _fail(self, send: Send, exc: BaseException) -> None:
+    async def _fail(self, exchange: Exchange, exc: BaseException) -> None:
         """Upstream died mid-stream: tell the client in-band, as the engines do, and end the stream."""
         what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {type(exc).__name__}"
         message = f"upstream {what} after the stream started"
         if self._flight.outcome == "shutdown":
             message = "the router is shutting down: the stream was cut after its grace period"
-        self._watch.stop()
-        try:
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error_event(message, "upstream_error"),
-                    "more_body": True,
-                }
-            )
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            await exchange.end(sse_error_event(message, "upstream_error"))
 
     def _cut(self) -> None:
         """Wake the pump with an error (a local close does not wake a pending aiohttp read)."""
