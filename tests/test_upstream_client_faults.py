@@ -245,3 +245,34 @@ async def test_a_slow_reader_stops_the_socket_reads_and_memory_stays_bounded() -
         resp.release()
         assert client.pool_sizes()[("127.0.0.1", up.port)] == (1, 1)
         await client.close()
+
+
+async def test_an_ended_answer_released_unread_past_the_mark_is_reused_reading() -> None:
+    """The socket read that ended the message also crossed the high-water mark, so reading was paused;
+    the connection must read again when it is reused."""
+
+    async def handler(up: Upstream, peer: Peer) -> None:
+        while await up.recorded(peer) is not None:
+            await peer.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"b" * 100)
+
+    async with upstream(handler) as up:
+        client = UpstreamClient(high_water_bytes=10)
+        resp = await client.post(up.url(), b"{}", HEADERS, timeout_s=5.0)
+        await eventually(lambda: resp.buffered_bytes == 100, "the body arrived")
+        resp.release()  # ended, never read
+        resp = await client.post(up.url(), b"{}", HEADERS, timeout_s=5.0)
+        assert await resp.read() == b"b" * 100
+        resp.release()
+        assert up.accepted == 1
+        await client.close()
+
+
+async def test_a_connect_that_ends_after_the_client_closed_is_dropped() -> None:
+    async with upstream(silent) as up:
+        client = UpstreamClient()
+        task = asyncio.create_task(client.post(up.url(), b"{}", HEADERS, timeout_s=5.0))
+        await asyncio.sleep(0)  # the connect is under way
+        await client.close()
+        with pytest.raises((UpstreamConnectError, UpstreamReadError)):
+            await task
+        await eventually(lambda: up.open == 0, "the server saw every connection close")

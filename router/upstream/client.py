@@ -13,7 +13,7 @@ import asyncio
 from .connection import Connection
 from .errors import UpstreamConnectError, UpstreamReadError
 from .pool import Pool
-from .response import UpstreamResponse
+from .response import HIGH_WATER_BYTES, UpstreamResponse
 from .target import Target, encode_request, parse_target
 
 
@@ -23,7 +23,9 @@ class UpstreamClient:
         connect_timeout_s: float = 5.0,
         max_idle_per_origin: int = 256,
         idle_timeout_s: float = 60.0,
+        high_water_bytes: int = HIGH_WATER_BYTES,
     ) -> None:
+        self._high_water_bytes = high_water_bytes
         self._connect_timeout_s = connect_timeout_s
         self._max_idle = max_idle_per_origin
         self._idle_timeout_s = idle_timeout_s
@@ -96,7 +98,12 @@ class UpstreamClient:
         pool = self._pools.get(target.origin)
         if pool is None:
             pool = self._pools[target.origin] = Pool(
-                target.host, target.port, self._loop, self._max_idle, self._idle_timeout_s
+                target.host,
+                target.port,
+                self._loop,
+                self._max_idle,
+                self._idle_timeout_s,
+                self._high_water_bytes,
             )
         entry = self._targets[url] = (target, pool)
         return entry
@@ -118,4 +125,5 @@ class UpstreamClient:
                 raise TimeoutError("the upstream did not answer within the request timeout") from None
             raise UpstreamConnectError(f"connect to {where}: timed out after {limit_s:g} s") from None
         except OSError as exc:
-            raise UpstreamConnectError(f"connect to {where}: {exc.strerror or exc!r}") from None
+            what = f"{type(exc).__name__}: {exc.strerror or exc}"
+            raise UpstreamConnectError(f"connect to {where}: {what}") from None

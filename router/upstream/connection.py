@@ -25,6 +25,7 @@ _NO_BODY_STATUSES = (204, 304)
 class Connection(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
+        self.high_water_bytes = pool.high_water_bytes
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.response: UpstreamResponse | None = None
@@ -137,6 +138,8 @@ class Connection(asyncio.Protocol):
         """The response ended and was released: idle again, back to the pool."""
         self.response = None
         self.reused = True
+        if self.paused:  # the last read filled the buffer past the mark and ended the message
+            self.resume()
         self._pool.put(self)
 
     def close(self) -> None:

@@ -21,12 +21,15 @@ class Pool:
         loop: asyncio.AbstractEventLoop,
         max_idle: int,
         idle_timeout_s: float,
+        high_water_bytes: int,
     ) -> None:
         self.host = host
         self.port = port
         self._loop = loop
         self._max_idle = max_idle
         self._idle_timeout_s = idle_timeout_s
+        self.high_water_bytes = high_water_bytes
+        self.closed = False
         self.idle: deque[Connection] = deque()
         self.open: set[Connection] = set()  # idle and busy
         self._sweep: asyncio.TimerHandle | None = None
@@ -35,6 +38,9 @@ class Pool:
         """A new connection; ``TimeoutError`` or ``OSError`` as asyncio raises them."""
         async with asyncio.timeout(timeout_s):
             _, conn = await self._loop.create_connection(lambda: Connection(self), self.host, self.port)
+        if self.closed:  # the client closed while this connect was under way
+            conn.close()
+            raise ConnectionAbortedError("the upstream client is closed")
         if conn.closed:  # lost between connect and now (no lost() then: it was not counted yet)
             raise ConnectionResetError("closed right after connecting")
         self.open.add(conn)
@@ -54,7 +60,7 @@ class Pool:
     def put(self, conn: Connection) -> None:
         if conn.closed:
             return
-        if len(self.idle) >= self._max_idle:
+        if self.closed or len(self.idle) >= self._max_idle:
             conn.close()
             return
         conn.idle_since_s = self._loop.time()
@@ -82,6 +88,7 @@ class Pool:
             self._sweep = self._loop.call_at(idle[0].idle_since_s + self._idle_timeout_s, self._expire)
 
     def close(self) -> None:
+        self.closed = True
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None

@@ -50,7 +50,7 @@ class UpstreamResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._released = False
-        self._high_water_bytes = HIGH_WATER_BYTES
+        self._high_water_bytes = conn.high_water_bytes
         self._timer = None if deadline_s is None else loop.call_at(deadline_s, self._deadline_passed)
 
     # -- the caller's side -------------------------------------------------------------------------------
