@@ -27,7 +27,6 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from router.gateway.runtime import UPSTREAM_SKIPPED_HEADERS
 from router.upstream import UpstreamClient
 
 from .procs import Proc, free_port
@@ -37,6 +36,9 @@ from .upstream import Payloads, capture_payloads, nginx_proc
 TIMEOUT_S = 600.0  # the gateway's default request_timeout_s
 CHAT = "/v1/chat/completions"
 EVENT_MARK = b"data: {"
+# The gateway's aiohttp settings before router/upstream (runtime.py), kept here so the comparison
+# outlives the swap.
+AIOHTTP_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 
 
 class Variant(Protocol):
@@ -50,7 +52,7 @@ class Variant(Protocol):
 
 
 class AiohttpVariant:
-    """As runtime.py's Gateway.start and proxy.py's _attempt/_read_start use it."""
+    """As runtime.py's Gateway.start and proxy.py's _attempt/_read_start used it."""
 
     name = "aiohttp"
 
@@ -60,7 +62,7 @@ class AiohttpVariant:
             connector=connector,
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=UPSTREAM_SKIPPED_HEADERS,
+            skip_auto_headers=AIOHTTP_SKIPPED_HEADERS,
         )
         self._timeout = aiohttp.ClientTimeout(total=TIMEOUT_S, sock_connect=5.0)
         self._urls: dict[str, URL] = {}
