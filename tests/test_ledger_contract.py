@@ -1,8 +1,9 @@
 """The Ledger contract (router/ledger/base.py), one suite run against every store.
 
 The Redis store runs against a real redis-server started on a free port (tests/conftest.py); every test
-gets its own namespace on that server. Time: the memory store uses an injected clock advanced instantly,
-the Redis store leases use the server's clock, so its lease tests really sleep (short TTLs).
+gets its own namespace on that server; the shared-memory store gets its own file per ledger. Time: the
+memory and shared-memory stores use an injected clock advanced instantly, the Redis store leases use the
+server's clock, so its lease tests really sleep (short TTLs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 
 from router.ledger.base import Ledger, RankUsage
 from router.ledger.memory import InMemoryLedger
+from router.ledger.shm import SharedMemoryLedger
+from router.ledger.shm_file import create_ledger_file, remove_ledger_file
 from router.placement.snapshot import RankKey
 
 A = RankKey("sg", 0)
@@ -37,11 +40,16 @@ class Harness:
     advance: Callable[[float], Awaitable[None]]
     built: list[Ledger] = field(default_factory=list)
     clock_s: list[float] = field(default_factory=lambda: [1000.0])
+    files: list[str] = field(default_factory=list)
 
     def make(self, lease_ttl_s: float = 30.0) -> Ledger:
         ledger: Ledger
         if self.kind == "memory":
             ledger = InMemoryLedger(lease_ttl_s=lease_ttl_s, clock=lambda: self.clock_s[0])
+        elif self.kind == "shm":
+            path = create_ledger_file()
+            self.files.append(path)
+            ledger = SharedMemoryLedger(path, lease_ttl_s=lease_ttl_s, clock=lambda: self.clock_s[0])
         else:
             from router.ledger.redis import RedisLedger
 
@@ -55,7 +63,7 @@ class Harness:
         return ledger
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "shm", "redis"])
 async def harness(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator[Harness]:
     kind: str = request.param
     url: str | None = None
@@ -66,7 +74,7 @@ async def harness(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIt
         await asyncio.sleep(seconds)
 
     h = Harness(kind, url, sleep)
-    if kind == "memory":
+    if kind in ("memory", "shm"):
 
         async def tick(seconds: float) -> None:
             h.clock_s[0] += seconds
@@ -75,6 +83,8 @@ async def harness(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIt
     yield h
     for ledger in h.built:
         await ledger.close()
+    for path in h.files:
+        remove_ledger_file(path)
 
 
 async def registered(h: Harness, lease_ttl_s: float = 30.0, capacity_tokens: int = 100) -> Ledger:

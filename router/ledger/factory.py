@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Final, Literal, cast, get_args
 
 from router.ledger.base import Ledger
@@ -11,6 +12,9 @@ FailureMode = Literal["fail_closed", "fail_open"]
 FAILURE_MODES: Final[tuple[str, ...]] = get_args(FailureMode)
 DEFAULT_SOCKET_TIMEOUT_S: Final[float] = 0.25
 DEFAULT_NAMESPACE: Final[str] = "default"
+# How ``kvrouter serve --workers N`` hands the shared-memory ledger file to its worker processes (the same
+# name Settings reads ``ledger_path`` from): the gateway passes build_ledger only the Redis settings.
+LEDGER_PATH_ENV: Final[str] = "KVROUTER_LEDGER_PATH"
 
 
 def check_failure_mode(value: str) -> FailureMode:
@@ -35,16 +39,24 @@ def build_ledger(
     namespace: str = DEFAULT_NAMESPACE,
     replicas: int = 1,
     socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+    shm_path: str | None = None,
 ) -> Ledger:
-    """``redis_url`` None → :class:`InMemoryLedger`; otherwise a :class:`RedisLedger` (no I/O here: it
-    connects on first use). ``replicas`` is how many router replicas share the deployment: in ``fail_open``
-    each one reserves against ``capacity // replicas`` of every rank while Redis is unreachable.
+    """``redis_url`` → a :class:`RedisLedger` (no I/O here: it connects on first use); else ``shm_path``
+    (default: ``$KVROUTER_LEDGER_PATH``) → a :class:`SharedMemoryLedger` on that existing file, the one
+    ledger of a ``serve``'s worker processes; else :class:`InMemoryLedger`. ``replicas`` is how many router
+    replicas share the deployment: in ``fail_open`` each one reserves against ``capacity // replicas`` of
+    every rank while Redis is unreachable.
     Raises ValueError on a bad value.
     """
     if not lease_ttl_s > 0:
         raise ValueError(f"lease TTL must be > 0 s, got {lease_ttl_s}")
     if redis_url is None or not redis_url.strip():
-        return InMemoryLedger(lease_ttl_s=lease_ttl_s)
+        shm_path = shm_path or os.environ.get(LEDGER_PATH_ENV) or None
+        if shm_path is None:
+            return InMemoryLedger(lease_ttl_s=lease_ttl_s)
+        from router.ledger.shm import SharedMemoryLedger
+
+        return SharedMemoryLedger(shm_path, lease_ttl_s=lease_ttl_s)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     if not socket_timeout_s > 0:
