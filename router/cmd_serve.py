@@ -90,12 +90,22 @@ def run(settings: Settings) -> None:
         if not server.started:
             raise SystemExit(3)  # startup failed (uvicorn.run exits the same way)
         return
+    from router.ledger.factory import LEDGER_PATH_ENV
+    from router.ledger.shm_file import create_ledger_file, remove_ledger_file
     from router.telemetry import prepare_multiprocess_dir
 
+    ledger_path = None
+    if settings.shared_memory_ledger():  # a fresh file the workers share; never one a past serve left
+        ledger_path = os.environ[LEDGER_PATH_ENV] = create_ledger_file(settings.ledger_path)
+        settings = settings.model_copy(update={"ledger_path": ledger_path})
     dumped = {k: _plain(v) for k, v in settings.model_dump().items() if k != "config_file"}
     os.environ[SETTINGS_ENV] = orjson.dumps(dumped).decode()
     prepare_multiprocess_dir()  # one /metrics for all workers, whichever answers the scrape
-    uvicorn.run("router.cmd_serve:app_from_env", factory=True, workers=settings.workers, **common)
+    try:
+        uvicorn.run("router.cmd_serve:app_from_env", factory=True, workers=settings.workers, **common)
+    finally:
+        if ledger_path is not None:
+            remove_ledger_file(ledger_path)
 
 
 def serve_command(
@@ -116,7 +126,12 @@ def serve_command(
         str | None,
         typer.Option(help="Redis URL: one ledger shared by replicas/workers (default: in-process)."),
     ] = None,
-    workers: Annotated[int | None, typer.Option(help="uvicorn worker processes (needs --redis-url).")] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="uvicorn worker processes; they share a ledger in shared memory, or --redis-url's."
+        ),
+    ] = None,
     replicas: Annotated[
         int | None,
         typer.Option(help="How many router replicas share the Redis ledger (fail_open sizes shares by it)."),

@@ -110,6 +110,11 @@ class Settings(BaseSettings):
         "is down, fail_open splits the room free at the last read among replicas x workers.",
     )
     ledger_namespace: str = Field("default", description="Redis key namespace; one per deployment.")
+    ledger_path: str | None = Field(
+        None,
+        description="workers > 1 without redis_url: the workers' shared-memory ledger file (default: a new "
+        "file in /dev/shm). Each serve creates it afresh and removes it at exit.",
+    )
     lease_ttl_s: float = Field(60.0, gt=0, description="Reservation lease; renewed while live.")
     ledger_failure_mode: str = Field(
         "fail_closed", description="Redis unreachable: fail_closed = refuse (503), fail_open = local shares."
@@ -168,12 +173,19 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _workers_need_shared_ledger(self) -> Settings:
-        if self.workers > 1 and not self.redis_url:
+    def _one_ledger(self) -> Settings:
+        """workers > 1 share one ledger: Redis when given, else a shared-memory file (router/ledger/shm.py)"""
+        if self.ledger_path is not None and self.redis_url:
             raise ValueError(
-                "workers > 1 needs redis_url (--redis-url): in-process ledgers would each admit all capacity"
+                "ledger_path and redis_url are two ledgers: set one (Redis to share across hosts)"
             )
+        if self.ledger_path is not None and self.workers == 1:
+            raise ValueError("ledger_path is for workers > 1 (one worker keeps its ledger in process)")
         return self
+
+    def shared_memory_ledger(self) -> bool:
+        """Several workers and no Redis: the workers of this serve share a ledger file on this host."""
+        return self.workers > 1 and not self.redis_url
 
     def backend_specs(self) -> list[BackendSpec]:
         return [BackendSpec.parse(text, i) for i, text in enumerate(self.backends)]

@@ -24,6 +24,14 @@ def test_defaults() -> None:
     s = load_settings()
     assert (s.host, s.port, s.policy, s.redis_url, s.workers) == ("127.0.0.1", 8080, "lockstep", None, 1)
     assert s.ledger_failure_mode == "fail_closed" and s.backends == []
+    assert s.ledger_path is None and not s.shared_memory_ledger()
+
+
+def test_workers_pick_their_shared_ledger() -> None:
+    """Several workers share a ledger: shared memory on this host unless Redis is given (one worker: none)."""
+    assert load_settings(workers=2).shared_memory_ledger()
+    assert not load_settings(workers=2, redis_url="redis://r:6379").shared_memory_ledger()
+    assert load_settings(workers=3, ledger_path="/dev/shm/kv").ledger_path == "/dev/shm/kv"
 
 
 def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,7 +63,8 @@ def test_env_lists_and_json_config(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     [
         ({"backends": ["nope=http://x"]}, "unknown engine"),
         ({"port": 70000}, "port"),
-        ({"workers": 2}, "redis_url"),
+        ({"workers": 2, "ledger_path": "/dev/shm/x", "redis_url": "redis://r:6379"}, "two ledgers"),
+        ({"ledger_path": "/dev/shm/x"}, "ledger_path is for workers > 1"),
         ({"ledger_failure_mode": "sideways"}, "failure mode"),
         ({"queue_timeout_s": 0}, "queue_timeout_s"),
     ],

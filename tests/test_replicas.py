@@ -6,8 +6,8 @@ What is proved end to end (the ledger-level behaviour is in tests/test_ledger_re
   every rank at zero reserved, in Redis and in both replicas' /ranks;
 * a replica killed with SIGKILL mid-load loses its reservations within the lease TTL, and the other one
   keeps serving;
-* ``--workers 2`` with Redis serves, and every worker's /ranks reads the same truth; without Redis it
-  refuses to start.
+* ``--workers 2`` with Redis serves, and every worker's /ranks reads the same truth; given two ledgers
+  (Redis and a shared-memory file) it refuses to start. Without Redis, tests/test_workers_shm.py.
 Redis outages are in tests/test_replicas_redis.py; the helpers in tests/test_replicas_support.py.
 """
 
@@ -234,9 +234,11 @@ async def test_workers_share_one_ledger_through_redis(
         assert all(r["reserved_tokens"] == 0 and r["inflight"] == 0 for r in rows), rows
 
 
-def test_workers_without_redis_refuse_to_start() -> None:
+def test_workers_with_two_ledgers_refuse_to_start() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
-    args = [KVROUTER, "serve", "--workers", "2", "--backend", "sglang=http://127.0.0.1:9"]
+    env["KVROUTER_LEDGER_PATH"] = "/dev/shm/kvrouter-test-never-created"
+    args = [KVROUTER, "serve", "--workers", "2", "--backend", "sglang=http://127.0.0.1:9",
+            "--redis-url", "redis://127.0.0.1:9/0"]  # fmt: skip
     out = subprocess.run(args, capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
@@ -250,7 +252,10 @@ def test_workers_without_redis_refuse_to_start() -> None:
         ({"ledger_namespace": "a b"}, "ledger_namespace: ledger namespace must be"),
         ({"ledger_namespace": "{x}"}, "ledger_namespace: ledger namespace must be"),
         ({"replicas": 0}, "replicas:"),
-        ({"workers": 2}, "settings: workers > 1 needs redis_url (--redis-url)"),
+        (
+            {"workers": 2, "redis_url": "redis://r", "ledger_path": "/x"},
+            "settings: ledger_path and redis_url",
+        ),
     ],
 )
 def test_replica_settings_refuse_bad_values_in_one_line(flags: dict[str, object], needle: str) -> None:
