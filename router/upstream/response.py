@@ -1,10 +1,10 @@
 """One upstream answer: status and headers, then the body as the connection delivers it.
 
-The connection's protocol feeds the response (:meth:`UpstreamResponse._feed` and friends) and wakes one
-pending read per socket read, so a reader gets whatever arrived at once, joined. Past the high-water mark
-the connection stops reading the socket until the reader drains the buffer: a slow consumer bounds memory
-instead of growing it. The whole exchange has one deadline (``timeout_s``, like aiohttp's
-``ClientTimeout(total=...)``), cancelled once the message is complete.
+The connection's protocol feeds the response (``on_body``, ``on_complete``, ``on_error``) and wakes one
+pending read per socket read (``after_feed``), so a reader gets whatever arrived at once, joined. Past the
+high-water mark the connection stops reading the socket until the reader drains the buffer: a slow
+consumer bounds memory instead of growing it. The whole exchange has one deadline (``timeout_s``, like
+aiohttp's ``ClientTimeout(total=...)``), cancelled once the message is complete.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ if TYPE_CHECKING:
     from .connection import Connection
 
 HIGH_WATER_BYTES = 256 * 1024  # unread body past which the socket is no longer read
-_UNBOUNDED = 1 << 62  # read(): the caller wants the whole body in memory anyway
+_UNBOUNDED_BYTES = 1 << 62  # read(): the caller wants the whole body in memory anyway
 
 
 class UpstreamResponse:
     __slots__ = (
         "_buf",
+        "_buffered_bytes",
         "_conn",
         "_done",
         "_exc",
         "_high_water_bytes",
         "_loop",
         "_released",
-        "_size",
         "_timer",
         "_waiter",
         "got_bytes",
@@ -45,7 +45,7 @@ class UpstreamResponse:
         self.headers: list[tuple[bytes, bytes]] = []  # as received (names in the engine's case)
         self.got_bytes = False  # any response byte arrived (a reused connection is retried only without)
         self._buf: list[bytes] = []
-        self._size = 0
+        self._buffered_bytes = 0
         self._done = False  # the message is complete (every body byte is in the buffer or was read)
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -71,7 +71,7 @@ class UpstreamResponse:
     @property
     def buffered_bytes(self) -> int:
         """Body bytes received and not read yet."""
-        return self._size
+        return self._buffered_bytes
 
     @property
     def at_eof(self) -> bool:
@@ -87,7 +87,7 @@ class UpstreamResponse:
             if buf:
                 data = buf[0] if len(buf) == 1 else b"".join(buf)
                 buf.clear()
-                self._size = 0
+                self._buffered_bytes = 0
                 if self._conn.paused:
                     self._conn.resume()
                 return data
@@ -97,10 +97,10 @@ class UpstreamResponse:
 
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body; with ``max_bytes``, at most that many bytes (an error's detail)."""
-        self._high_water_bytes = _UNBOUNDED
+        self._high_water_bytes = _UNBOUNDED_BYTES
         if self._conn.paused:
             self._conn.resume()
-        while not self._done and (max_bytes is None or self._size < max_bytes):
+        while not self._done and (max_bytes is None or self._buffered_bytes < max_bytes):
             if self._exc is not None:
                 raise self._exc
             await self._wait()
@@ -108,10 +108,10 @@ class UpstreamResponse:
             raise self._exc
         data = b"".join(self._buf)
         self._buf.clear()
-        self._size = 0
+        self._buffered_bytes = 0
         if max_bytes is not None and len(data) > max_bytes:
             self._buf.append(data[max_bytes:])
-            self._size = len(data) - max_bytes
+            self._buffered_bytes = len(data) - max_bytes
             data = data[:max_bytes]
         return data
 
@@ -169,12 +169,12 @@ class UpstreamResponse:
 
     def on_body(self, data: bytes) -> None:
         self._buf.append(data)
-        self._size += len(data)
+        self._buffered_bytes += len(data)
 
     def after_feed(self) -> None:
         """One socket read was parsed: wake the reader once, and stop reading past the high-water mark."""
         self._wake()
-        if self._size > self._high_water_bytes and not self._conn.paused:
+        if self._buffered_bytes > self._high_water_bytes and not self._conn.paused:
             self._conn.pause()
 
     def on_complete(self) -> None:
