@@ -41,14 +41,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--placement-time-scale", type=float, default=0.05)
     p.add_argument("--placement-capacity-scale", type=float, default=0.3)
     p.add_argument("--placement-duration-s", type=float, default=300.0, help="engine seconds of arrivals")
-    p.add_argument("--kvrouter-workers", type=int, default=1)
-    p.add_argument("--redis-url", default=None, help="shared ledger for --kvrouter-workers > 1")
+    p.add_argument(
+        "--kvrouter-workers",
+        type=int,
+        action="append",
+        help="kvrouter worker processes; repeat (e.g. 1 and 2) to measure variants side by side in one run "
+        "(default 1). Without --redis-url, several workers share a shared-memory ledger",
+    )
+    p.add_argument("--redis-url", default=None, help="ledger of every kvrouter variant (default: none)")
     p.add_argument("--quick", action="store_true", help="1 round, 3 s points (a smoke run)")
     p.add_argument("--no-install", action="store_true", help="use only what is already installed")
     p.add_argument("--venv", type=Path, default=Path(".bench-venv"), help="venv for the peer routers")
     p.add_argument("--out", type=Path, default=Path("docs/bench.md"))
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvbench-logs"))
     args = p.parse_args(argv)
+    args.kvrouter_workers = list(dict.fromkeys(args.kvrouter_workers or [1]))
+    if min(args.kvrouter_workers) < 1:
+        p.error("--kvrouter-workers must be >= 1")
     if args.quick:
         args.rounds, args.duration_s, args.relay_duration_s = 1, 3.0, 3.0
     unknown = set(args.sections.split(",")) - set(SECTIONS)
@@ -64,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     tools = find_tools(args.venv, install=not args.no_install)
     payloads = capture_payloads()
-    kv = RouterSpec("kvrouter", "lockstep", workers=args.kvrouter_workers, redis_url=args.redis_url)
+    kvs = [
+        RouterSpec("kvrouter", "lockstep", workers=w, redis_url=args.redis_url) for w in args.kvrouter_workers
+    ]
+    kv = kvs[0]  # the relay section and the targets' verdicts use the first variant
     md = [
         "# kvrouter benchmarks", "",
         f"Produced by `{' '.join(['python -m loadtest.bench', *map(shlex.quote, sys.argv[1:])])}` "
@@ -76,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, object] = {"argv": sys.argv[1:], "tools": vars(tools)}
     if "overhead" in sections:
         over = run_overhead(
-            tools, payloads, [kv], rounds=args.rounds, duration_s=args.duration_s, log_dir=args.log_dir
+            tools, payloads, kvs, rounds=args.rounds, duration_s=args.duration_s, log_dir=args.log_dir
         )
-        md += report.overhead_md(over, kv.label)
+        md += report.overhead_md(over, kv.label, [k.label for k in kvs[1:]])
         raw["overhead"] = over.to_json()
     if "relay" in sections:
         relay = run_relay(

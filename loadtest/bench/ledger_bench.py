@@ -1,9 +1,9 @@
-"""What the shared Redis ledger costs per request, against the in-process one.
+"""What the shared ledgers (shared memory, Redis) cost per request and per call, against the in-process one.
 
 One request, as the gateway does it: ``usage()`` (the snapshot), the default placement policy, ``reserve``
 on the policy's candidates, and later ``release`` (a window of requests stays in flight, so the ranks are
 not empty). Each store runs several times; medians are reported, with Redis round trips per request.
-A redis-server is started on a free loopback port for the run.
+Then each ledger call alone, in µs (median of runs). A redis-server is started on a free loopback port.
 
     python -m loadtest.bench.ledger_bench [--requests 2000] [--runs 5] [--concurrency 1,32]
 """
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -25,6 +25,8 @@ from loadtest.bench.redis_proc import RedisServer, redis_server_binary
 from router.ledger.base import Ledger, RankUsage
 from router.ledger.memory import InMemoryLedger
 from router.ledger.redis import RedisLedger
+from router.ledger.shm import SharedMemoryLedger
+from router.ledger.shm_file import create_ledger_file, remove_ledger_file
 from router.placement import DEFAULT_POLICY, get_policy
 from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, RequestShape, Snapshot
@@ -86,16 +88,23 @@ async def one_run(
     return per_worker * concurrency / elapsed_s
 
 
+def make_ledger(store: str, url: str | None, namespace: str, files: list[str]) -> Ledger:
+    if store == "memory":
+        return InMemoryLedger()
+    if store == "shm":
+        files.append(create_ledger_file())
+        return SharedMemoryLedger(files[-1])
+    assert url is not None
+    return RedisLedger.from_url(url, namespace=namespace, socket_timeout_s=2.0)
+
+
 async def measure(store: str, url: str | None, args: argparse.Namespace, concurrency: int) -> Result:
     latencies_s: list[float] = []
     rates: list[float] = []
     trips: list[float] = []
+    files: list[str] = []
     for run in range(args.runs):
-        ledger: Ledger
-        if url is None:
-            ledger = InMemoryLedger()
-        else:
-            ledger = RedisLedger.from_url(url, namespace=f"bench{run}c{concurrency}", socket_timeout_s=2.0)
+        ledger = make_ledger(store, url, f"bench{run}c{concurrency}", files)
         try:
             await one_run(ledger, args.ranks, 100, concurrency, [])  # warm-up: connections, scripts
             before = ledger.round_trips if isinstance(ledger, RedisLedger) else 0
@@ -104,6 +113,8 @@ async def measure(store: str, url: str | None, args: argparse.Namespace, concurr
                 trips.append((ledger.round_trips - before) / (args.requests // concurrency * concurrency))
         finally:
             await ledger.close()
+            for path in files:
+                remove_ledger_file(path)
     return Result(
         store,
         concurrency,
@@ -125,13 +136,64 @@ def report(results: list[Result]) -> str:
         )
     for c in sorted({r.concurrency for r in results}):
         mem = next(r for r in results if r.store == "memory" and r.concurrency == c)
-        red = next(r for r in results if r.store == "redis" and r.concurrency == c)
-        # Above one worker, a request's time includes waiting for the others on the one event loop.
-        latency = f"{red.median_us / mem.median_us:.1f}× the median time per request, " if c == 1 else ""
-        lines.append(
-            f"\nconcurrency {c}: Redis vs in-process: {latency}"
-            f"{mem.requests_per_s / red.requests_per_s:.1f}× fewer requests/s"
-        )
+        for other in (r for r in results if r.store != "memory" and r.concurrency == c):
+            # Above one worker, a request's time includes waiting for the others on the one event loop.
+            latency = (
+                f"{other.median_us / mem.median_us:.1f}× the median time per request, " if c == 1 else ""
+            )
+            lines.append(
+                f"\nconcurrency {c}: {other.store} vs in-process: {latency}"
+                f"{mem.requests_per_s / other.requests_per_s:.1f}× fewer requests/s"
+            )
+    return "\n".join(lines)
+
+
+OPS = ("reserve", "add_generated", "grow", "shrink", "release", "usage", "renew")
+
+
+async def per_call_us(ledger: Ledger, ranks: int, calls: int) -> dict[str, float]:
+    """µs per call of each operation, one after another on one ledger (``calls`` requests, 8 ranks)."""
+    keys = [RankKey("dsv3", r) for r in range(ranks)]
+    await ledger.register(dict.fromkeys(keys, RANK_CAPACITY_TOKENS))
+    rids = [f"op{i}" for i in range(calls)]
+    steps: dict[str, Callable[[int], Awaitable[object]]] = {
+        "reserve": lambda i: ledger.reserve(rids[i], [keys[i % ranks], keys[(i + 1) % ranks]], 100),
+        "add_generated": lambda i: ledger.add_generated(rids[i], 3),
+        "grow": lambda i: ledger.grow(rids[i], 16),
+        "shrink": lambda i: ledger.shrink(rids[i], 8),
+        "release": lambda i: ledger.release(rids[i]),
+        "usage": lambda i: ledger.usage(),
+        "renew": lambda i: ledger.renew(rids[i : i + 1]),
+    }
+    out: dict[str, float] = {}
+    for op in OPS:
+        started = time.perf_counter()
+        for i in range(calls):
+            await steps[op](i)
+        out[op] = (time.perf_counter() - started) / calls * 1e6
+    return out
+
+
+async def per_call_table(url: str, args: argparse.Namespace) -> str:
+    runs: dict[str, list[dict[str, float]]] = {}
+    files: list[str] = []
+    try:
+        for run in range(args.runs):
+            for store in ("memory", "shm", "redis"):
+                ledger = make_ledger(store, url, f"ops{run}", files)
+                try:
+                    await per_call_us(ledger, args.ranks, 100)  # warm-up
+                    runs.setdefault(store, []).append(await per_call_us(ledger, args.ranks, args.requests))
+                finally:
+                    await ledger.close()
+    finally:
+        for path in files:
+            remove_ledger_file(path)
+    lines = [f"\nµs per call, one caller, {args.ranks} ranks (median of {args.runs} runs):\n"]
+    lines += ["| store | " + " | ".join(OPS) + " |", "|---|" + "---:|" * len(OPS)]
+    for store, samples in runs.items():
+        cells = [f"{statistics.median(s[op] for s in samples):.1f}" for op in OPS]
+        lines.append(f"| {store} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -152,10 +214,12 @@ async def ping_us(url: str, pings: int = 1000) -> float:
 async def main_async(args: argparse.Namespace) -> str:
     levels = [int(c) for c in args.concurrency.split(",")]
     results = [await measure("memory", None, args, c) for c in levels]
+    results += [await measure("shm", None, args, c) for c in levels]
     with RedisServer() as server:
         results += [await measure("redis", server.url, args, c) for c in levels]
         rtt_us = await ping_us(server.url)
-    return f"{report(results)}\n\nRedis PING round trip (median, same client library): {rtt_us:.0f} µs"
+        ops = await per_call_table(server.url, args)
+    return f"{report(results)}\n\nRedis PING round trip (median, same client library): {rtt_us:.0f} µs\n{ops}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

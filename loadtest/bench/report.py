@@ -16,7 +16,8 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def overhead_md(res: OverheadResult, kvrouter_label: str) -> list[str]:
+def overhead_md(res: OverheadResult, kvrouter_label: str, variants: list[str] | None = None) -> list[str]:
+    """``variants``: other kvrouter targets (e.g. more workers), each compared with ``kvrouter_label``."""
     lines = ["## 1. Overhead (wrk, fixed 16-token chat answer from nginx)", ""]
     if not res.runs:
         return [*lines, "Skipped: " + "; ".join(res.skipped), ""]
@@ -47,6 +48,14 @@ def overhead_md(res: OverheadResult, kvrouter_label: str) -> list[str]:
             f"- {kvrouter_label} added p50 at c=8: **{added.fmt(2)} ms** "
             f"(target <= {TARGET_ADDED_P50_MS} ms: {_verdict(added.median <= TARGET_ADDED_P50_MS)})",
         ]
+    for variant in variants or []:
+        for c in res.concurrencies:
+            paired = res.ratio(variant, kvrouter_label, c).fmt(2)
+            base_ms = res.added_ms(kvrouter_label, c, "p50_ms").fmt(2)
+            lines.append(
+                f"- {variant} / {kvrouter_label} req/s at c={c}, paired per round: **{paired}**; "
+                f"added p50 {res.added_ms(variant, c, 'p50_ms').fmt(2)} vs {base_ms} ms"
+            )
     if res.skipped:
         lines.append("- skipped: " + "; ".join(res.skipped))
     return [*lines, ""]
