@@ -83,6 +83,7 @@ class FakeSGLang(FakeEngine):
     aborted: list[str] = field(default_factory=list)
     inactive_ranks: set[int] = field(default_factory=set)  # pinned completions get 503 "not active"
     pins: list[tuple[int | None, str | None]] = field(default_factory=list)  # (body rank, header) seen
+    peer_ports: list[int] = field(default_factory=list)  # client port per completion: connection reuse
     attn_dp_size_field: bool = False  # SGLang 0.5.23 --attn-dp-size: reports dp_size 1, attn_dp_size N
 
     def __post_init__(self) -> None:
@@ -177,6 +178,7 @@ class FakeSGLang(FakeEngine):
             body = await request.json()
             rank = body.get("routed_dp_rank")
             self.pins.append((rank, request.headers.get("x-data-parallel-rank")))
+            self.peer_ports.append(request.client.port if request.client else -1)
             if rank in self.inactive_ranks:
                 return JSONResponse({"error": {"message": f"DP rank {rank} is not active."}}, 503)
             return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "x"}]})

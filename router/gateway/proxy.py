@@ -13,13 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
-from yarl import URL
 
 from router.backends.base import BackendError, Route
 from router.placement.snapshot import RankKey, RequestShape
 from router.sizing import SizingError
+from router.upstream import UpstreamError, UpstreamResponse
 
 from .auth import check_bearer
 from .errors import ApiError, upstream_error_body
@@ -46,7 +45,7 @@ class Buffered:
 
 @dataclass(slots=True)
 class Streaming:
-    upstream: aiohttp.ClientResponse
+    upstream: UpstreamResponse
     first_chunk: bytes
 
 
@@ -112,13 +111,6 @@ class Proxy:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self._candidates = CandidateCache(gateway.store)
-        self._urls: dict[str, URL] = {}  # one per rank and route: aiohttp parses a str URL on every call
-
-    def _url(self, url: str) -> URL:
-        parsed = self._urls.get(url)
-        if parsed is None:
-            parsed = self._urls[url] = URL(url)
-        return parsed
 
     async def serve(self, exchange: Exchange, route: Route) -> None:
         """The whole request; every refusal is counted once, as a rejection and as an answered request."""
@@ -226,26 +218,29 @@ class Proxy:
         payload.update(up.body_fields)
         if backend.spec.engine == "sglang" and flight.sized.sequences == 1:
             flight.rid = payload["rid"] = f"{flight.request_id}-{attempt}"
-        headers = {"Content-Type": "application/json", "X-Request-Id": flight.request_id, **up.headers}
-        assert gw.session is not None
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", flight.request_id.encode()),
+            *[(k.encode("latin-1"), v.encode("latin-1")) for k, v in up.headers.items()],  # rank pin
+        ]
+        assert gw.upstream is not None
         try:
-            resp = await gw.session.post(
-                self._url(up.url), data=orjson.dumps(payload), headers=headers, timeout=gw.upstream_timeout
-            )
-        except aiohttp.ClientConnectionError as exc:
+            resp = await gw.upstream.post(up.url, orjson.dumps(payload), headers, gw.upstream_timeout_s)
+        except UpstreamError as exc:  # refused, unreachable, connect timeout, or dropped before the headers
             raise RetryableUpstream(f"connect: {type(exc).__name__}", "connect") from None
         except TimeoutError:
             gw.metrics.upstream_errors.labels(key.backend, "timeout").inc()
             raise ApiError(504, "Upstream did not answer in time.", code="upstream_timeout") from None
         return await self._read_start(flight, resp)
 
-    async def _read_start(self, flight: Flight, resp: aiohttp.ClientResponse) -> Buffered | Streaming:
+    async def _read_start(self, flight: Flight, resp: UpstreamResponse) -> Buffered | Streaming:
         gw = self.gw
+        streaming = False  # set once the relay owns the response (and releases it)
         try:
             if resp.status >= 500:
-                detail = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", "replace")
+                detail = (await resp.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", "replace")
                 raise RetryableUpstream(f"HTTP {resp.status}: {detail[:200]}", "http_5xx")
-            ctype = resp.headers.get("Content-Type", "application/json")
+            ctype = resp.content_type or "application/json"
             if resp.status != 200 or not flight.stream or "text/event-stream" not in ctype:
                 body = await resp.read()
                 if resp.status == 400 and NOT_ACTIVE in body:  # SGLang: the rank is down, not the request
@@ -254,12 +249,13 @@ class Proxy:
                     )
                 _first_byte(gw, flight, streamed=False)
                 return Buffered(resp.status, body, ctype)
-            first = await resp.content.readany()
+            first = await resp.read_chunk()
             if not first:
                 raise RetryableUpstream("stream ended before its first byte", "empty_stream")
             _first_byte(gw, flight, streamed=True)
+            streaming = True
             return Streaming(resp, first)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        except UpstreamError as exc:
             resp.close()
             raise RetryableUpstream(f"{type(exc).__name__} before the first byte", "read") from None
         except TimeoutError:
@@ -271,7 +267,7 @@ class Proxy:
             resp.close()
             raise
         finally:
-            if resp.status != 200 or not flight.stream:
+            if not streaming:  # no-op after close(); else pooled when read to its end
                 resp.release()
 
 

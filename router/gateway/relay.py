@@ -20,9 +20,8 @@ import re
 import time
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from router.telemetry import observe_spread
+from router.upstream import UpstreamError, UpstreamReadError, UpstreamResponse
 
 from .errors import sse_error_event
 
@@ -88,7 +87,7 @@ class RelayResponse:
         self,
         gateway: Gateway,
         flight: Flight,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first_chunk: bytes,
         extra_headers: list[tuple[bytes, bytes]],
     ) -> None:
@@ -113,7 +112,7 @@ class RelayResponse:
                 flight.outcome = "cancelled"
                 raise
             flight.outcome = "client_disconnect"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             flight.outcome = "upstream_timeout" if isinstance(exc, TimeoutError) else "upstream_error"
             kind = "stream_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
             gw.metrics.upstream_errors.labels(_backend(flight), kind).inc()
@@ -133,7 +132,7 @@ class RelayResponse:
         itl = gw.metrics.itl_of(flight.route, flight.model)
         last_token_s: float | None = None  # arrival of the previous chunk that carried tokens
         chunk = self._first
-        content = self._upstream.content
+        read_chunk = self._upstream.read_chunk
         while chunk:
             new = count_chunk(flight, chunk)
             if new:  # negative: the engine's exact count corrects events that carried no token
@@ -147,7 +146,7 @@ class RelayResponse:
                 if batch or flight.generated_tokens >= flight.grow_at_tokens:  # or growth due (predicted)
                     await gw.report_tokens(flight)
             await exchange.write(chunk)
-            chunk = await content.readany()
+            chunk = await read_chunk()
         await exchange.end()
 
     async def _fail(self, exchange: Exchange, exc: BaseException) -> None:
@@ -160,12 +159,12 @@ class RelayResponse:
             await exchange.end(sse_error_event(message, "upstream_error"))
 
     def _cut(self) -> None:
-        """Wake the pump with an error (a local close does not wake a pending aiohttp read)."""
-        self._upstream.content.set_exception(aiohttp.ClientPayloadError("cut by the router's shutdown"))
+        """Wake the pump with an error; the relay's ``finally`` then drops the connection."""
+        self._upstream.fail(UpstreamReadError("cut by the router's shutdown"))
 
     async def _close_upstream(self, gw: Gateway, flight: Flight) -> None:
         upstream = self._upstream
-        if flight.outcome == "ok" and upstream.content.at_eof():
+        if flight.outcome == "ok" and upstream.at_eof:
             upstream.release()  # keep-alive: the connection goes back to the pool
             return
         upstream.close()  # drops the connection: the engine aborts the request

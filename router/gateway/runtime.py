@@ -1,6 +1,6 @@
 """The gateway's process-wide resources, built in the app lifespan and torn down with it.
 
-One aiohttp session (the data plane: one connection pool for every upstream request), one httpx client
+One upstream client (the data plane: router/upstream, a keep-alive pool per engine), one httpx client
 (the control plane: discovery, polls, aborts), the ledger, the backends and their reconcile loop, the
 metrics registry, and every live flight (so shutdown can release what is still held).
 """
@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 import httpx
 
 from router.backends.base import Backend, BackendInfo
@@ -28,6 +27,7 @@ from router.telemetry import LocalState, Metrics
 from router.telemetry_ledger import TimedLedger
 from router.telemetry_state import RankRow, RankStateCollector, UsageCache, rank_rows
 from router.telemetry_store import TelemetryStore
+from router.upstream import UpstreamClient
 
 from .flight import Flight, LocalLoad
 from .output_plan import build_book, growth_check_at, learned_tokens
@@ -36,9 +36,10 @@ from .waitqueue import WaitQueue
 
 log = logging.getLogger(__name__)
 ABORT_TASK = "kvrouter-abort"
-# aiohttp adds these to every request; engines ignore them, and Accept-Encoding would invite a compressed
-# answer the relay passes through undecoded to a client that never asked for one.
-UPSTREAM_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
+# Idle engine connections close before uvicorn's 5 s keep-alive timeout (SGLang and vLLM serve with it)
+# would close them under a request; the client still retries that race once.
+UPSTREAM_IDLE_TIMEOUT_S = 4.0
+UPSTREAM_MAX_IDLE_PER_ORIGIN = 256
 
 
 def build_sizer(settings: Settings) -> Sizer:
@@ -96,10 +97,8 @@ class Gateway:
             estimate=self.usage.estimate,
             on_discovered=self._discovered,
         )
-        self.session: aiohttp.ClientSession | None = None
-        self.upstream_timeout = aiohttp.ClientTimeout(
-            total=settings.request_timeout_s, sock_connect=settings.connect_timeout_s
-        )
+        self.upstream: UpstreamClient | None = None
+        self.upstream_timeout_s = settings.request_timeout_s  # the whole exchange, stream included
         self._background: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
         engines = {name: b.spec.engine for name, b in self.backends.items()}
@@ -108,12 +107,11 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # bytes are relayed as the engine sent them
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: no jar walk per request
-            skip_auto_headers=UPSTREAM_SKIPPED_HEADERS,
+        # Sends only the headers given (no Accept-Encoding: bytes are relayed as the engine sent them).
+        self.upstream = UpstreamClient(
+            connect_timeout_s=self.settings.connect_timeout_s,
+            max_idle_per_origin=UPSTREAM_MAX_IDLE_PER_ORIGIN,
+            idle_timeout_s=UPSTREAM_IDLE_TIMEOUT_S,
         )
         await self.reconciler.start()
         self._renewer = asyncio.create_task(self._renew_loop(), name="kvrouter-lease-renew")
@@ -139,8 +137,8 @@ class Gateway:
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         await self.control.aclose()
         await self.ledger.close()
         if self.share is not None:
