@@ -25,6 +25,7 @@ from router.placement.snapshot import RankKey
 from router.telemetry_store import TelemetryStore
 
 log = logging.getLogger(__name__)
+STOP_RECANCEL_S = 0.1  # stop(): how long a cancelled loop may take to end before it is cancelled again
 
 EstimateFn = Callable[[], Awaitable[Mapping[RankKey, int]]]
 DiscoveredHook = Callable[[BackendInfo], Awaitable[None]]
@@ -98,7 +99,11 @@ class Reconciler:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
+            # Python 3.11's asyncio.wait_for swallows a cancel that lands as its inner call completes (the
+            # loop then sleeps on): cancel again until the task has ended.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=STOP_RECANCEL_S)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._own_http and self._http is not None:
