@@ -1,4 +1,8 @@
-"""Run an ASGI app under uvicorn on a free loopback port for the duration of a block (no tests here)."""
+"""Run an ASGI app under uvicorn on a free loopback port for the duration of a block (no tests here).
+
+The HTTP protocol is the one ``kvrouter serve`` uses (head limits, generation POSTs off the ASGI cycle);
+for an app without the gateway's lifespan state it behaves as uvicorn's httptools protocol.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
+
+from router.gateway.protocol import GatewayHttpProtocol
 
 SHUTDOWN_BOUND_S = 2  # uvicorn otherwise waits without limit for open connections when the block ends
 
@@ -21,6 +27,7 @@ async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[str]:
         "log_level": "warning",
         "lifespan": "on",
         "loop": "asyncio",
+        "http": GatewayHttpProtocol,
         "timeout_graceful_shutdown": SHUTDOWN_BOUND_S,
         **config,
     }

@@ -26,10 +26,14 @@ def emulator(**kw: Any) -> Iterator[EmulatorThread]:
 
 
 @contextlib.asynccontextmanager
-async def router(ready: bool = True, **kw: Any) -> AsyncIterator[str]:
-    """A gateway on 127.0.0.1:<free port>; waits for /ready unless ``ready`` is False."""
+async def router(ready: bool = True, http: Any = None, **kw: Any) -> AsyncIterator[str]:
+    """A gateway on 127.0.0.1:<free port> with the HTTP protocol ``kvrouter serve`` uses (or ``http``);
+    waits for /ready unless ``ready`` is False."""
     settings = Settings(**{"port": 0, "reconcile_interval_s": 0.1, **kw})
-    async with serve_asgi(create_app(settings)) as url:
+    options: dict[str, Any] = {"h11_max_incomplete_event_size": settings.max_header_bytes}
+    if http is not None:
+        options["http"] = http
+    async with serve_asgi(create_app(settings), **options) as url:
         if ready:
             async with httpx.AsyncClient() as http:
                 for _ in range(500):

@@ -22,7 +22,7 @@ from asgi_server import serve_asgi
 
 from router.config import Settings
 from router.gateway import create_app
-from router.gateway.limits import HeadLimitedHttpTools
+from router.gateway.protocol import GatewayHttpProtocol
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -69,7 +69,7 @@ async def engine_idle(http: httpx.AsyncClient, emu_url: str, timeout_s: float = 
 
 @contextlib.asynccontextmanager
 async def serve_router(
-    ready: bool = True, http_protocol: type[asyncio.Protocol] = HeadLimitedHttpTools, **kw: Any
+    ready: bool = True, http_protocol: type[asyncio.Protocol] = GatewayHttpProtocol, **kw: Any
 ) -> AsyncIterator[str]:
     """A gateway in this process on 127.0.0.1:<free port>, with the protocol `kvrouter serve` uses."""
     settings = Settings(**{"port": 0, "reconcile_interval_s": 0.1, **kw})
@@ -145,7 +145,7 @@ class RouterThread:
         self.settings = Settings(**{"port": 0, "reconcile_interval_s": 0.1, **kw})
         config = uvicorn.Config(
             create_app(self.settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-            loop="asyncio", http=HeadLimitedHttpTools, timeout_graceful_shutdown=2,
+            loop="asyncio", http=GatewayHttpProtocol, timeout_graceful_shutdown=2,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._main, name="router", daemon=True)

@@ -73,7 +73,12 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         if size > self.max_head_bytes:  # a head that arrived whole in one read
             self._head_too_large = True
             raise HeadTooLarge  # the parser reports it as a parse error: see send_400_response
-        super().on_headers_complete()
+        if not self._intercept():
+            super().on_headers_complete()
+
+    def _intercept(self) -> bool:
+        """A subclass may serve the request itself (router/gateway/protocol.py); False: uvicorn's ASGI."""
+        return False
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
@@ -83,7 +88,10 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._head_bytes = 0
+        self._next_head()
+
+    def _next_head(self) -> None:
+        self._head_bytes = 0  # what arrives next is a new request head
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -126,9 +134,12 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         self.transport.close()
 
 
-HTTP_PROTOCOL = "router.gateway.limits:HeadLimitedHttpTools"  # for uvicorn.Config(http=...)
+# for uvicorn.Config(http=...): these limits plus the generation POSTs served off the ASGI cycle
+HTTP_PROTOCOL = "router.gateway.protocol:GatewayHttpProtocol"
 
 
 def limited_http_protocol(head_timeout_s: float) -> type[HeadLimitedHttpTools]:
-    """The protocol with another head timeout (tests; the default suits production)."""
-    return type("HeadLimitedHttpTools", (HeadLimitedHttpTools,), {"head_timeout_s": head_timeout_s})
+    """The gateway's protocol with another head timeout (tests; the default suits production)."""
+    from .protocol import GatewayHttpProtocol  # it builds on this module
+
+    return type("GatewayHttpProtocol", (GatewayHttpProtocol,), {"head_timeout_s": head_timeout_s})
