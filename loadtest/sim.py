@@ -72,12 +72,16 @@ class SimConfig:
 
 
 def normalise_policy(name: str) -> str:
-    """Canonical policy name; ``none`` is an alias of ``engine``. Raises ValueError on unknown names."""
-    key = name.strip().lower().replace("-", "_")
+    """Canonical policy name, parameters kept (``lockstep:hold_stretch=1``); ``none`` is an alias of
+    ``engine``. Raises ValueError on unknown names."""
+    base, sep, params = name.partition(":")
+    key = base.strip().lower().replace("-", "_")
     key = ENGINE_ONLY if key == "none" else key
     if key not in SIM_POLICY_NAMES:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(SIM_POLICY_NAMES)}, none)")
-    return key
+    if sep and key != ENGINE_ONLY:
+        get_policy(f"{key}:{params}")  # raises UnknownPolicy (a ValueError) for a bad parameter
+    return f"{key}:{params.strip()}" if sep and key != ENGINE_ONLY else key
 
 
 class _Run:

@@ -11,6 +11,9 @@ Admission mirrors ``router.gateway.waitqueue``: requests that fit nowhere now wa
 the head tries to place itself; each waiter has a deadline. A blocked head claims one rank
 (``router.placement.admission.claim_rank``) and the waiters behind it, newcomers included, backfill every
 other rank in line order (``decide_behind``); those that fit only on the claimed rank keep waiting.
+A policy's long-prefill gate (``router.placement.prefill_gate``) sees how long a request has waited
+(virtual time since its arrival) and the queue deadline of a long request is extended by its hold, as in
+the gateway.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Literal
 from loadtest.engine_types import RankLoad
 from loadtest.sim_reservation import SimReservations
 from loadtest.workload import RequestSpec
-from router.placement.admission import Action, Decision, claim_rank, decide, decide_behind
+from router.placement.admission import Action, Decision, claim_rank, decide, decide_behind, gate_of
 from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, RequestShape, Snapshot
 
@@ -123,30 +126,33 @@ class SimRouter:
         return Snapshot(ranks=ranks, tick=self.tick)
 
     # ---- admission -----------------------------------------------------------------------------------
-    def _decide(self, snap: Snapshot, spec: RequestSpec, shape: RequestShape, head: bool) -> Decision:
+    def _decide(
+        self, snap: Snapshot, spec: RequestSpec, shape: RequestShape, head: bool, waited_s: float
+    ) -> Decision:
         """The head may use any rank and claims one when blocked; anyone else keeps off the claimed rank."""
         limit = self.config.max_context_tokens
         claim = self.claimed
         if claim is not None and self.queue and self.queue[0][0].index != claim[0]:
             claim = self.claimed = None  # that head left (placed or timed out): its claim with it
         if not head:
-            return decide_behind(
-                snap, shape, self.policy, claim[1] if claim else None, max_context_tokens=limit
-            )
-        d = decide(snap, shape, self.policy, max_context_tokens=limit)
+            at = claim[1] if claim else None
+            return decide_behind(snap, shape, self.policy, at, max_context_tokens=limit, waited_s=waited_s)
+        d = decide(snap, shape, self.policy, max_context_tokens=limit, waited_s=waited_s)
         if d.action is Action.WAIT:
             held = self._keys[claim[1]] if claim is not None and claim[0] == spec.index else None
             at = claim_rank(snap, shape, held)
             self.claimed = (spec.index, at) if at is not None else None
         return d
 
-    def _try(self, spec: RequestSpec, shape: RequestShape, head: bool = True) -> Placed | Refused | None:
+    def _try(
+        self, spec: RequestSpec, shape: RequestShape, head: bool = True, waited_s: float = 0.0
+    ) -> Placed | Refused | None:
         """One decision: placed, refused for good, or None (no room now)."""
         snap = self.snapshot()
         if self.reservations is not None:
             snap = self.reservations.adjust(snap, spec.index)
         self.tick += 1
-        d = self._decide(snap, spec, shape, head)
+        d = self._decide(snap, spec, shape, head, waited_s)
         if d.action is Action.REJECT:
             assert d.reason is not None
             return Refused(spec, d.reason.value)
@@ -175,7 +181,9 @@ class SimRouter:
     def _enqueue(self, spec: RequestSpec, shape: RequestShape, now_s: float) -> Refused | None:
         if len(self.queue) >= self.config.queue_max:
             return Refused(spec, "queue_full")
-        self.queue.append((spec, shape, now_s + self.config.queue_timeout_s))
+        gate = gate_of(self.policy)
+        held_s = gate.max_hold_s(shape) if gate is not None else 0.0  # the deadline waits out the hold
+        self.queue.append((spec, shape, now_s + held_s + self.config.queue_timeout_s))
         return None
 
     def pump(self, now_s: float) -> list[Placed | Refused]:
@@ -188,7 +196,7 @@ class SimRouter:
                 self.queue.popleft()
                 out.append(Refused(spec, "queue_timeout"))
                 continue
-            got = self._try(spec, shape)
+            got = self._try(spec, shape, waited_s=now_s - spec.arrival_s)
             if got is None:
                 break
             self.queue.popleft()
@@ -202,8 +210,11 @@ class SimRouter:
         kept: deque[tuple[RequestSpec, RequestShape, float]] = deque([self.queue[0]])
         for waiter in list(self.queue)[1:]:
             spec, shape, deadline_s = waiter
+            waited_s = now_s - spec.arrival_s
             got = (
-                Refused(spec, "queue_timeout") if now_s >= deadline_s else self._try(spec, shape, head=False)
+                Refused(spec, "queue_timeout")
+                if now_s >= deadline_s
+                else self._try(spec, shape, head=False, waited_s=waited_s)
             )
             if got is None:
                 kept.append(waiter)

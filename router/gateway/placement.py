@@ -3,7 +3,8 @@
 The policy and the admission decision are pure (router/placement); this module is their I/O shell. A
 request that fits nowhere now waits in the :class:`WaitQueue`; one that can never fit is refused at once.
 A blocked head of the line claims a rank (held here, valid while its flight is the head); the waiters
-behind it backfill every other rank.
+behind it backfill every other rank. A policy's long-prefill gate may hold a long request in the queue
+(router/placement/prefill_gate.py): its queue deadline is extended by the longest hold.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from dataclasses import dataclass
 
 from router.backends.base import BackendInfo, Route
 from router.ledger.base import Ledger, LedgerUnavailable, RankUsage
-from router.placement.admission import Action, Decision, RejectReason, claim_rank, decide, decide_behind
+from router.placement.admission import (
+    Action,
+    Decision,
+    RejectReason,
+    claim_rank,
+    decide,
+    decide_behind,
+    gate_of,
+)
 from router.placement.policies import Policy
 from router.placement.snapshot import RankKey, RankView, Snapshot
 from router.reservation.book import ReservationBook
@@ -198,10 +207,11 @@ class Placer:
         """The head (or a newcomer) may use any rank, and claims one when blocked; a waiter behind a
         blocked head may use any rank but the claimed one."""
         held = self.claimed()
+        waited_s = time.perf_counter() - flight.arrived_s
         if behind:
             at = next((i for i, r in enumerate(snap.ranks) if r.key == held), None)
-            return decide_behind(snap, flight.shape, self.policy, at)
-        decision = decide(snap, flight.shape, self.policy)
+            return decide_behind(snap, flight.shape, self.policy, at, waited_s=waited_s)
+        decision = decide(snap, flight.shape, self.policy, waited_s=waited_s)
         if decision.action is Action.WAIT and self.queue.head_owner is flight:
             mine = held if self._claim is not None and self._claim[0] is flight else None
             at = claim_rank(snap, flight.shape, mine)
@@ -238,11 +248,13 @@ class Placer:
         if not allowed:
             raise ApiError(503, "no rank left to try", code="no_healthy_rank", headers={"Retry-After": "1"})
         start_s = time.perf_counter()
+        gate = gate_of(self.policy)
         try:
             key = await self.queue.admit(
                 lambda: self._attempt(flight, allowed),
                 behind=lambda: self._attempt(flight, allowed, behind=True),
                 owner=flight,
+                hold_s=gate.max_hold_s(flight.shape) if gate is not None else 0.0,
             )
         except QueueFull:
             raise ApiError(

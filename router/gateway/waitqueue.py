@@ -17,6 +17,9 @@ Backfill: a waiter that passes ``behind`` (an attempt that keeps off the rank th
 router/placement/admission.py) does not idle behind a blocked head: it tries ``behind`` on arrival and on
 every wake-up and poll, in line order, and leaves the line when placed. The head is still the only one
 that may use its claimed rank, so it is not starved. Without ``behind`` a waiter keeps the strict rule.
+
+``hold_s`` lengthens one waiter's deadline by the time the policy may hold it on purpose (a long prompt
+waiting for a batch of long prefills, router/placement/prefill_gate.py), so a hold never turns into a 503.
 """
 
 from __future__ import annotations
@@ -88,12 +91,13 @@ class WaitQueue:
         attempt: Callable[[], Awaitable[T | None]],
         behind: Callable[[], Awaitable[T | None]] | None = None,
         owner: object | None = None,
+        hold_s: float = 0.0,
     ) -> T:
         """Run ``attempt`` now if nobody waits, else (or when it finds no room) wait in line and retry.
 
         ``attempt`` returns None for "no room now" and may raise to refuse outright. ``behind`` is the
         attempt to make while waiting behind a blocked head (backfill); ``owner`` names the caller while
-        it is the head (:attr:`head_owner`).
+        it is the head (:attr:`head_owner`); ``hold_s`` is added to this waiter's deadline.
         """
         if self.closed:
             raise QueueClosed
@@ -107,7 +111,7 @@ class WaitQueue:
                 return got
         if len(self._waiters) >= self.max_waiting:
             raise QueueFull
-        deadline_s = time.monotonic() + self.timeout_s
+        deadline_s = time.monotonic() + self.timeout_s + max(0.0, hold_s)
         event = asyncio.Event()
         self._waiters.append(event)
         if owner is not None:

@@ -5,6 +5,8 @@ larger than every rank's whole pool can never run (refuse at once, 400); no usab
 a request that fits an empty usable rank but no rank now waits in the gateway's bounded queue. A head of
 the line that cannot be placed claims one rank (:func:`claim_rank`); requests behind it may be placed on
 any other rank (:func:`decide_behind`: backfill), so one huge request does not hold up the small ones.
+A policy may carry a long-prefill gate (:mod:`router.placement.prefill_gate`) that holds a long prompt for
+a bounded time (WAIT) so that long prefills overlap; the caller says how long the request has waited.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from router.placement.policies import Policy
+from router.placement.prefill_gate import LongPrefillGate
 from router.placement.snapshot import RankKey, RequestShape, Snapshot
 
 
@@ -46,13 +49,25 @@ def _reject(reason: RejectReason, detail: str) -> Decision:
     return Decision(Action.REJECT, reason=reason, detail=detail)
 
 
+def gate_of(policy: Policy) -> LongPrefillGate | None:
+    """The policy's long-prefill gate (:mod:`router.placement.prefill_gate`), if it has one."""
+    gate = getattr(policy, "gate", None)
+    return gate if isinstance(gate, LongPrefillGate) else None
+
+
 def decide(
-    snapshot: Snapshot, request: RequestShape, policy: Policy, *, max_context_tokens: int | None = None
+    snapshot: Snapshot,
+    request: RequestShape,
+    policy: Policy,
+    *,
+    max_context_tokens: int | None = None,
+    waited_s: float = 0.0,
 ) -> Decision:
     """Apply the policy to a request and say what the gateway must do with it.
 
     The policy's answer is re-checked (in range, fits now, first occurrence only), so a faulty policy can
-    make a request wait but never place it where it does not fit.
+    make a request wait but never place it where it does not fit. A policy with a long-prefill gate
+    (:mod:`router.placement.prefill_gate`) may hold a long request (WAIT) that has waited ``waited_s``.
     """
     if max_context_tokens is not None and request.total_tokens > max_context_tokens:
         return _reject(
@@ -74,9 +89,13 @@ def decide(
         if 0 <= i < len(snapshot.ranks) and i not in seen and request.fits(snapshot.ranks[i]):
             seen.add(i)
             candidates.append(i)
-    if candidates:
-        return Decision(Action.PLACE, candidates=tuple(candidates))
-    return Decision(Action.WAIT, detail="no rank has room now")
+    if not candidates:
+        return Decision(Action.WAIT, detail="no rank has room now")
+    gate = gate_of(policy)
+    allowed = tuple(candidates) if gate is None else gate.allowed(snapshot, request, candidates, waited_s)
+    if not allowed:
+        return Decision(Action.WAIT, detail="held: long prefills go in batches")
+    return Decision(Action.PLACE, candidates=allowed)
 
 
 def claim_rank(snapshot: Snapshot, head: RequestShape, held: RankKey | None = None) -> int | None:
@@ -104,10 +123,17 @@ def decide_behind(
     claimed: int | None,
     *,
     max_context_tokens: int | None = None,
+    waited_s: float = 0.0,
 ) -> Decision:
     """:func:`decide` for a request waiting behind a blocked head (backfill): the policy's ranking minus
     the head's ``claimed`` rank. A request that fits only there waits, in line, for the head to go first."""
-    decision = decide(snapshot, request, policy, max_context_tokens=max_context_tokens)
+    decision = decide(
+        snapshot,
+        request,
+        policy,
+        max_context_tokens=max_context_tokens,
+        waited_s=waited_s,
+    )
     if decision.action is not Action.PLACE or claimed is None:
         return decision
     others = tuple(i for i in decision.candidates if i != claimed)

@@ -24,6 +24,10 @@ carries only the sum of pending prompt tokens and their count, so Σ P² is esti
 ``prefill_tokens² / prefill_requests`` (exact when the pending prompts are equal, low otherwise).
 In practice the policy balances pending prefill work first (one rank's 1,024-token chunk adds ~100 ms to
 every rank's step, the T4 effect) and spreads long contexts when prefills are equal.
+
+It also carries a long-prefill gate (:mod:`router.placement.prefill_gate`, applied by admission): long
+prompts are held in the router's queue, a bounded time, so that their slow prefill steps overlap instead of
+following each other. ``hold_stretch=0`` turns it off (policy ``lockstep_eager``, the behaviour before).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from router.placement.policies import feasible
+from router.placement.prefill_gate import DEFAULT_HOLD_STRETCH, DEFAULT_LONG_PROMPT_TOKENS, LongPrefillGate
 from router.placement.snapshot import RankView, RequestShape, Snapshot
 
 ATTN_NS_PER_CACHED_TOKEN: Final[float] = 28.3
@@ -81,12 +86,23 @@ class Lockstep:
 
     prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     prefill_attn_weight: float = DEFAULT_PREFILL_ATTN_WEIGHT
+    long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS
+    hold_stretch: float = DEFAULT_HOLD_STRETCH  # 0: long prompts are placed as soon as they fit
+    max_long_prefills: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prefill_weight", "prefill_attn_weight"):
+        for name in ("prefill_weight", "prefill_attn_weight", "hold_stretch"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0.0):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        self.gate  # noqa: B018 -- validates the gate's parameters now, not at the first long request
+
+    @property
+    def gate(self) -> LongPrefillGate | None:
+        """The long-prefill gate admission applies (None when ``hold_stretch`` is 0)."""
+        if not self.hold_stretch:
+            return None
+        return LongPrefillGate(self.long_prompt_tokens, float(self.hold_stretch), self.max_long_prefills)
 
     def __call__(self, snapshot: Snapshot, request: RequestShape) -> list[int]:
         fit = feasible(snapshot, request)
