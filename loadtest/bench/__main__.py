@@ -42,6 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--placement-capacity-scale", type=float, default=0.3)
     p.add_argument("--placement-duration-s", type=float, default=300.0, help="engine seconds of arrivals")
     p.add_argument(
+        "--placement-rows",
+        default=None,
+        help="only these rows, e.g. kvrouter:lockstep,sglang-router:cache_aware",
+    )
+    p.add_argument(
         "--kvrouter-workers",
         type=int,
         action="append",
@@ -99,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         md += report.relay_md(relay, kv.label)
         raw["relay"] = relay.to_json()
     if "placement" in sections:
+        rows = tuple(args.placement_rows.split(",")) if args.placement_rows else None
         cfg = PlacementConfig(args.placement_capacity_scale, args.placement_time_scale,
-                              args.placement_duration_s, args.placement_rounds)  # fmt: skip
+                              args.placement_duration_s, args.placement_rounds, rows)  # fmt: skip
         place = run_placement(tools, cfg, args.log_dir)
         md += report.placement_md(place)
         raw["placement"] = place.to_json()

@@ -4,7 +4,9 @@ cache_aware). A fresh emulator per run, so its preemption counter belongs to tha
 
 The emulator runs ``time_scale`` times real time, so the scenario is compressed to match: arrival rate
 / scale, duration and SLOs x scale. Reported times and rates are converted back to engine (virtual) time,
-so they read like the simulator's and a real node's.
+so they read like the simulator's and a real node's. kvrouter's long-prefill hold is a time too (a
+multiple of a prompt's prefill time on a real node), so it is scaled the same way (``hold_stretch`` x
+scale); its queue deadline is not (30 s wall, 600 s of engine time at 0.05: nothing times out).
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import httpx
 import orjson
 import yaml
 
+from router.placement.prefill_gate import DEFAULT_HOLD_STRETCH
+
 from .procs import Proc, ProcError, free_port
 from .routers import RouterSpec, router_proc
 from .stats import Spread
 from .tools import Tools, warn
 
 SCENARIO = "long-context-mix"
-KVROUTER_POLICIES = ("lockstep", "kv_fit")
+KVROUTER_POLICIES = ("lockstep", "lockstep_eager", "kv_fit")
 SGLANG_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+# Policies whose parameters are times on a real node, and the parameter to scale with the emulator.
+_TIMED_PARAMS = {"lockstep": ("hold_stretch", DEFAULT_HOLD_STRETCH)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class PlacementConfig:
     time_scale: float = 0.05
     duration_s: float = 300.0  # virtual seconds of arrivals
     rounds: int = 1
+    # Rows to run, as labels' "kind:policy" (e.g. "kvrouter:lockstep,sglang-router:cache_aware"); None: all.
+    only: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -65,9 +73,21 @@ def scaled_scenario(cfg: PlacementConfig, directory: Path) -> Path:
     return path
 
 
-def _specs(tools: Tools) -> list[tuple[RouterSpec, str | None]]:
-    out: list[tuple[RouterSpec, str | None]] = [(RouterSpec("kvrouter", p), None) for p in KVROUTER_POLICIES]
+def _kvrouter_spec(policy: str, time_scale: float) -> RouterSpec:
+    timed = _TIMED_PARAMS.get(policy)
+    if timed is None:
+        return RouterSpec("kvrouter", policy)
+    param, default = timed
+    return RouterSpec("kvrouter", policy, policy_arg=f"{policy}:{param}={default * time_scale:g}")
+
+
+def _specs(tools: Tools, cfg: PlacementConfig) -> list[tuple[RouterSpec, str | None]]:
+    out: list[tuple[RouterSpec, str | None]] = [
+        (_kvrouter_spec(p, cfg.time_scale), None) for p in KVROUTER_POLICIES
+    ]
     out += [(RouterSpec("sglang-router", p), tools.sglang_router) for p in SGLANG_POLICIES]
+    if cfg.only is not None:
+        out = [(s, peer) for s, peer in out if f"{s.kind}:{s.policy}" in cfg.only]
     return out
 
 
@@ -76,7 +96,7 @@ def run_placement(tools: Tools, cfg: PlacementConfig, log_dir: Path) -> Placemen
     work = Path(tempfile.mkdtemp(prefix="kvbench-placement-"))
     scenario = scaled_scenario(cfg, work)
     for i in range(cfg.rounds):
-        for spec, peer in _specs(tools):
+        for spec, peer in _specs(tools, cfg):
             if spec.kind != "kvrouter" and peer is None:
                 if i == 0:
                     result.skipped.append(f"{spec.label}: not installed")

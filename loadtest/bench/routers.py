@@ -19,6 +19,7 @@ class RouterSpec:
     policy: str
     workers: int = 1
     redis_url: str | None = None
+    policy_arg: str | None = None  # what --policy gets, when it differs from the label's ``policy``
 
     @property
     def label(self) -> str:
@@ -38,7 +39,7 @@ def router_proc(
     url = f"http://127.0.0.1:{port}"
     if spec.kind == "kvrouter":
         argv = [kvrouter_bin(), "serve", "--backend", f"sglang={upstream_url}", "--port", str(port),
-                "--policy", spec.policy, "--log-level", "warning",
+                "--policy", spec.policy_arg or spec.policy, "--log-level", "warning",
                 "--workers", str(spec.workers)]  # fmt: skip
         if spec.redis_url:
             argv += ["--redis-url", spec.redis_url]
@@ -46,7 +47,14 @@ def router_proc(
                     log_dir=log_dir), url  # fmt: skip
     if peer_bin is None:
         raise ValueError(f"{spec.kind} is not installed")
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream_url,
+    workers = [upstream_url]
+    if spec.kind == "sglang-router" and spec.policy == "power_of_two":
+        # sglang-router checks ">= 2 workers" on the URLs given, before --dp-aware expands one URL into a
+        # worker per DP rank, so one DP-attention node cannot start power_of_two. The same engine under a
+        # second host name passes the check: every rank then appears twice, and the pair of candidates
+        # is still drawn over ranks (with each alias counting its own in-flight requests).
+        workers.append(upstream_url.replace("127.0.0.1", "localhost"))
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
               "--policy", spec.policy, "--prometheus-port", str(free_port())]  # fmt: skip
     if spec.kind == "sglang-router":
         argv = [peer_bin, "launch", *common, "--dp-aware", "--log-level", "warn"]
