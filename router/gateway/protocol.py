@@ -14,6 +14,12 @@ uvicorn's machinery is kept where it holds state: the exchange becomes ``self.cy
 for the answer in progress, ``shutdown()`` closes the connection after it, the keep-alive timer is armed
 after it), its task is registered in ``server_state.tasks`` (graceful shutdown waits for it and cancels it
 after ``timeout_graceful_shutdown``), and the head limits (431/408) are :class:`HeadLimitedHttpTools`'.
+
+Measured paired against the ASGI path (same tree otherwise, wrk -> nginx, 3 rounds x 4 s, load ~2-3):
+c=8 3,212 -> 3,516 req/s, c=64 3,456 -> 3,443 (within noise: placement now dominates); relay at 1,000
+streams 27.3k -> 29.2k events/s. py-spy after: parsing + protocol + exchange ~13 % of a proxied request
+(half of it the send syscall); in the relay the per-event ``transport.write`` and the loop's reads are
+~50 %, i.e. one send and one receive syscall per event.
 """
 
 from __future__ import annotations
