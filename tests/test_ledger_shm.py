@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from router.ledger import shm_file
 from router.ledger.base import RankUsage
 from router.ledger.factory import LEDGER_PATH_ENV, build_ledger
 from router.ledger.memory import InMemoryLedger
@@ -234,6 +235,20 @@ async def test_bad_files_and_names_are_refused(tmp_path: Path, ledger_path: str)
     with pytest.raises(ValueError, match="bytes"):
         await ledger.register({RankKey("n" * 200, 0): 10})
     await ledger.close()
+
+
+def test_a_new_serve_removes_files_of_killed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_file, "default_dir", lambda: tmp_path)
+    dead = SPAWN.Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join(WAIT_S)
+    orphan = tmp_path / f"{shm_file.FILE_PREFIX}{dead.pid}-0000"
+    alive = tmp_path / f"{shm_file.FILE_PREFIX}{os.getpid()}-0000"
+    other = tmp_path / "unrelated"
+    for p in (orphan, alive, other):
+        p.write_bytes(b"")
+    path = create_ledger_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(path).name, alive.name, other.name])
 
 
 async def test_factory_picks_the_store(ledger_path: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ DEFAULT_MAX_SLOTS: Final[int] = 64  # worker processes alive at once (uvicorn re
 DEFAULT_NAME_BYTES: Final[int] = 64  # a backend name, UTF-8
 WORD_BYTES: Final[int] = 8
 SHM_DIR: Final[Path] = Path("/dev/shm")
+FILE_PREFIX: Final[str] = "kvrouter-ledger-"  # + the creating serve's pid + a random suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,8 @@ def create_ledger_file(
     if max_keys < 1 or max_slots < 1 or name_bytes < WORD_BYTES or name_bytes % WORD_BYTES:
         raise ValueError(f"bad ledger sizes: keys {max_keys}, slots {max_slots}, name bytes {name_bytes}")
     if path is None:
-        path = str(default_dir() / f"kvrouter-ledger-{os.getpid()}-{secrets.token_hex(4)}")
+        remove_orphans(default_dir())
+        path = str(default_dir() / f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
     layout = Layout(max_keys, max_slots, name_bytes)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -144,6 +146,14 @@ def create_ledger_file(
 
 def remove_ledger_file(path: str) -> None:
     Path(path).unlink(missing_ok=True)
+
+
+def remove_orphans(directory: Path) -> None:
+    """Remove default-named files whose serve is gone (it was killed before it could remove its own)."""
+    for stale in directory.glob(f"{FILE_PREFIX}*"):
+        pid = stale.name.removeprefix(FILE_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            stale.unlink(missing_ok=True)  # a worker still mapping it keeps its pages: nothing breaks
 
 
 def pid_alive(pid: int) -> bool:
