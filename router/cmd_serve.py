@@ -90,14 +90,13 @@ def run(settings: Settings) -> None:
         if not server.started:
             raise SystemExit(3)  # startup failed (uvicorn.run exits the same way)
         return
-    from router.ledger.factory import LEDGER_PATH_ENV
     from router.ledger.shm_file import create_ledger_file, remove_ledger_file
     from router.telemetry import prepare_multiprocess_dir
 
     ledger_path = None
     if settings.shared_memory_ledger():  # a fresh file the workers share; never one a past serve left
-        ledger_path = os.environ[LEDGER_PATH_ENV] = create_ledger_file(settings.ledger_path)
-        settings = settings.model_copy(update={"ledger_path": ledger_path})
+        ledger_path = create_ledger_file(settings.ledger_path)
+        settings = settings.model_copy(update={"ledger_path": ledger_path})  # to the workers' settings
     dumped = {k: _plain(v) for k, v in settings.model_dump().items() if k != "config_file"}
     os.environ[SETTINGS_ENV] = orjson.dumps(dumped).decode()
     prepare_multiprocess_dir()  # one /metrics for all workers, whichever answers the scrape

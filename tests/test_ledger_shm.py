@@ -19,7 +19,7 @@ import pytest
 
 from router.ledger import shm_file
 from router.ledger.base import RankUsage
-from router.ledger.factory import LEDGER_PATH_ENV, build_ledger
+from router.ledger.factory import build_ledger
 from router.ledger.memory import InMemoryLedger
 from router.ledger.shm import SharedMemoryLedger
 from router.ledger.shm_file import create_ledger_file, remove_ledger_file
@@ -251,13 +251,8 @@ def test_a_new_serve_removes_files_of_killed_ones(tmp_path: Path, monkeypatch: p
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(path).name, alive.name, other.name])
 
 
-async def test_factory_picks_the_store(ledger_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(LEDGER_PATH_ENV, raising=False)
+async def test_factory_picks_the_store(ledger_path: str) -> None:
     assert isinstance(build_ledger(None), InMemoryLedger)
-    explicit = build_ledger(None, shm_path=ledger_path)
-    monkeypatch.setenv(LEDGER_PATH_ENV, ledger_path)  # how serve's parent hands the file to its workers
-    inherited = build_ledger(None, lease_ttl_s=5.0)
-    assert isinstance(explicit, SharedMemoryLedger) and isinstance(inherited, SharedMemoryLedger)
-    assert inherited.lease_ttl_s == 5.0
+    explicit = build_ledger(None, shm_path=ledger_path, lease_ttl_s=5.0)
+    assert isinstance(explicit, SharedMemoryLedger) and explicit.lease_ttl_s == 5.0
     await explicit.close()
-    await inherited.close()

@@ -69,6 +69,7 @@ class Gateway:
             namespace=settings.ledger_namespace,
             replicas=settings.replicas * settings.workers,  # every process that may book while Redis is down
             socket_timeout_s=settings.ledger_timeout_s,
+            shm_path=settings.ledger_path,  # set by `serve --workers N` (the parent made the file)
         )
         self.ledger: Ledger = TimedLedger(inner, metrics.ledger_seconds, metrics.ledger_errors)
         self.usage = UsageCache(self.ledger)  # the reconcile loop's ledger snapshot, behind /metrics

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Final, Literal, cast, get_args
 
 from router.ledger.base import Ledger
@@ -14,7 +13,6 @@ DEFAULT_SOCKET_TIMEOUT_S: Final[float] = 0.25
 DEFAULT_NAMESPACE: Final[str] = "default"
 # How ``kvrouter serve --workers N`` hands the shared-memory ledger file to its worker processes (the same
 # name Settings reads ``ledger_path`` from): the gateway passes build_ledger only the Redis settings.
-LEDGER_PATH_ENV: Final[str] = "KVROUTER_LEDGER_PATH"
 
 
 def check_failure_mode(value: str) -> FailureMode:
@@ -42,7 +40,7 @@ def build_ledger(
     shm_path: str | None = None,
 ) -> Ledger:
     """``redis_url`` → a :class:`RedisLedger` (no I/O here: it connects on first use); else ``shm_path``
-    (default: ``$KVROUTER_LEDGER_PATH``) → a :class:`SharedMemoryLedger` on that existing file, the one
+    → a :class:`SharedMemoryLedger` on that existing file, the one
     ledger of a ``serve``'s worker processes; else :class:`InMemoryLedger`. ``replicas`` is how many router
     replicas share the deployment: in ``fail_open`` each one reserves against ``capacity // replicas`` of
     every rank while Redis is unreachable.
@@ -51,8 +49,7 @@ def build_ledger(
     if not lease_ttl_s > 0:
         raise ValueError(f"lease TTL must be > 0 s, got {lease_ttl_s}")
     if redis_url is None or not redis_url.strip():
-        shm_path = shm_path or os.environ.get(LEDGER_PATH_ENV) or None
-        if shm_path is None:
+        if not shm_path:
             return InMemoryLedger(lease_ttl_s=lease_ttl_s)
         from router.ledger.shm import SharedMemoryLedger
 
