@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         raw["overhead"] = over.to_json()
     if "relay" in sections:
         relay = run_relay(
-            payloads, kv, rounds=args.rounds, duration_s=args.relay_duration_s, log_dir=args.log_dir
+            payloads, kvs, rounds=args.rounds, duration_s=args.relay_duration_s, log_dir=args.log_dir
         )
-        md += report.relay_md(relay, kv.label)
+        md += report.relay_md(relay, [k.label for k in kvs])
         raw["relay"] = relay.to_json()
     if "placement" in sections:
         rows = tuple(args.placement_rows.split(",")) if args.placement_rows else None

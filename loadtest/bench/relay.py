@@ -7,6 +7,7 @@ streams grow); the client counts events in its own process. The steady rate is t
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -64,8 +65,9 @@ def _show(streams: int, name: str, out: dict[str, float]) -> None:
     print(f"  relay {streams:>5} streams {name:<24} {rate:>9,.0f} ev/s  ({done})", flush=True)
 
 
-def run_relay(payloads: Payloads, kvrouter: RouterSpec, *, rounds: int, duration_s: float, log_dir: Path
-              ) -> RelayResult:  # fmt: skip
+def run_relay(payloads: Payloads, kvrouters: list[RouterSpec], *, rounds: int, duration_s: float,
+              log_dir: Path) -> RelayResult:  # fmt: skip
+    """Every kvrouter variant (e.g. 1 and 2 workers) runs at once; each round reads direct, then each."""
     result = RelayResult(duration_s)
     static = Path(tempfile.mkdtemp(prefix="kvbench-sse-")) / "static.json"
     static.write_bytes(orjson.dumps({k: v.decode() for k, v in payloads.bodies.items()}))
@@ -77,15 +79,21 @@ def run_relay(payloads: Payloads, kvrouter: RouterSpec, *, rounds: int, duration
         argv = [sys.executable, "-m", "loadtest.bench.sse_upstream", "--port", str(port),
                 "--step-ms", f"{step_ms:.3f}", "--static", str(static)]  # fmt: skip
         try:
-            with Proc(f"sse-upstream-{streams}", argv, ready_url=upstream + "/v1/models", log_dir=log_dir):
-                proc, url = router_proc(kvrouter, upstream, log_dir)
-                with proc:
-                    for i in range(rounds):
-                        for name, target in (("direct", upstream), (kvrouter.label, url)):
-                            out = _client(target, payloads.model, streams, tokens, duration_s * 6 + 30)
-                            result.runs.setdefault((name, streams), []).append(out)
-                            _show(streams, name, out)
-                        print(f"bench: relay {streams} streams round {i + 1}/{rounds} done", flush=True)
+            with (
+                Proc(f"sse-upstream-{streams}", argv, ready_url=upstream + "/v1/models", log_dir=log_dir),
+                contextlib.ExitStack() as stack,
+            ):
+                targets = [("direct", upstream)]
+                for spec in kvrouters:
+                    proc, url = router_proc(spec, upstream, log_dir)
+                    stack.enter_context(proc)
+                    targets.append((spec.label, url))
+                for i in range(rounds):
+                    for name, target in targets:
+                        out = _client(target, payloads.model, streams, tokens, duration_s * 6 + 30)
+                        result.runs.setdefault((name, streams), []).append(out)
+                        _show(streams, name, out)
+                    print(f"bench: relay {streams} streams round {i + 1}/{rounds} done", flush=True)
         except (ProcError, subprocess.TimeoutExpired) as exc:
             result.skipped.append(f"{streams} streams: {exc}")
             warn(f"relay at {streams} streams failed: {exc}")

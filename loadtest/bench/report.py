@@ -39,13 +39,15 @@ def overhead_md(res: OverheadResult, kvrouter_label: str, variants: list[str] | 
             )
     lines.append("")
     sg = next((t for t in res.targets() if t.startswith("sglang-router")), None)
-    if sg is not None:
-        ratio = res.ratio(kvrouter_label, sg, 64)
-        added = res.added_ms(kvrouter_label, 8, "p50_ms")
+    for label in [kvrouter_label, *(variants or [])]:
+        if sg is None:
+            break
+        ratio = res.ratio(label, sg, 64)
+        added = res.added_ms(label, 8, "p50_ms")
         lines += [
-            f"- {kvrouter_label} / {sg} req/s at c=64, paired per round: **{ratio.fmt(2)}** "
+            f"- {label} / {sg} req/s at c=64, paired per round: **{ratio.fmt(2)}** "
             f"(target >= {TARGET_RPS_RATIO}: {_verdict(ratio.median >= TARGET_RPS_RATIO)})",
-            f"- {kvrouter_label} added p50 at c=8: **{added.fmt(2)} ms** "
+            f"- {label} added p50 at c=8: **{added.fmt(2)} ms** "
             f"(target <= {TARGET_ADDED_P50_MS} ms: {_verdict(added.median <= TARGET_ADDED_P50_MS)})",
         ]
     for variant in variants or []:
@@ -61,22 +63,25 @@ def overhead_md(res: OverheadResult, kvrouter_label: str, variants: list[str] | 
     return [*lines, ""]
 
 
-def relay_md(res: RelayResult, kvrouter_label: str) -> list[str]:
+def relay_md(res: RelayResult, kvrouter_labels: list[str]) -> list[str]:
     lines = [
         "## 2. Streaming relay (lockstep SSE upstream, one event per stream per step)", "",
         f"Offered {OFFERED_EVENTS_PER_S:,.0f} events/s; steady rate between 10 % and 90 % of all events.", "",
-        "| streams | direct events/s | via kvrouter events/s | relay / direct | nodes fronted (30k ev/s) |",
-        "|---:|---:|---:|---:|---:|",
+        "| streams | via | direct events/s | via events/s | relay / direct | nodes fronted (30k ev/s) |",
+        "|---:|---|---:|---:|---:|---:|",
     ]  # fmt: skip
     for streams in sorted({s for _, s in res.runs}):
         direct = res.rate("direct", streams)
-        via = res.rate(kvrouter_label, streams)
-        pairs = zip(
-            res.runs.get((kvrouter_label, streams), []), res.runs.get(("direct", streams), []), strict=False
-        )
-        ratio = Spread.of([v["steady_events_per_s"] / d["steady_events_per_s"] for v, d in pairs])
-        nodes = via.median / NODE_EVENTS_PER_S
-        lines.append(f"| {streams} | {direct.fmt()} | {via.fmt()} | {ratio.fmt(2)} | {nodes:.2f} |")
+        for label in kvrouter_labels:
+            if (label, streams) not in res.runs:
+                continue
+            via = res.rate(label, streams)
+            pairs = zip(res.runs[(label, streams)], res.runs.get(("direct", streams), []), strict=False)
+            ratio = Spread.of([v["steady_events_per_s"] / d["steady_events_per_s"] for v, d in pairs])
+            nodes = via.median / NODE_EVENTS_PER_S
+            lines.append(
+                f"| {streams} | {label} | {direct.fmt()} | {via.fmt()} | {ratio.fmt(2)} | {nodes:.2f} |"
+            )
     if res.skipped:
         lines.append("\nSkipped: " + "; ".join(res.skipped))
     return [*lines, ""]
