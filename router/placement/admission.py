@@ -17,6 +17,7 @@ from enum import StrEnum
 from router.placement.policies import Policy
 from router.placement.prefill_gate import LongPrefillGate
 from router.placement.snapshot import RankKey, RequestShape, Snapshot
+from router.units import round_up
 
 
 class Action(StrEnum):
@@ -75,20 +76,32 @@ def decide(
             f"prompt ({request.prompt_tokens}) + output ({request.output_tokens}) tokens exceed the "
             f"context length of {max_context_tokens}",
         )
-    if not any(request.could_ever_fit(r) for r in snapshot.ranks):
-        largest = max((r.capacity_tokens for r in snapshot.ranks), default=0)
+    ranks = snapshot.ranks
+    need = request.need_tokens
+    ever = usable_ever = False  # some rank's whole pool holds it; some usable rank's does
+    for r in ranks:  # RequestShape.could_ever_fit, inlined: this runs on every placement
+        if (need if r.page_size == 1 else round_up(need, r.page_size)) <= r.capacity_tokens:
+            ever = True
+            if r.usable:
+                usable_ever = True
+                break
+    if not ever:
+        largest = max((r.capacity_tokens for r in ranks), default=0)
         return _reject(
             RejectReason.TOO_LARGE,
             f"request needs {request.total_tokens} KV tokens; the largest rank holds {largest}",
         )
-    if not any(r.usable and request.could_ever_fit(r) for r in snapshot.ranks):
+    if not usable_ever:
         return _reject(RejectReason.NO_HEALTHY_RANK, "no healthy rank can hold this request")
+    n = len(ranks)
     seen: set[int] = set()
     candidates: list[int] = []
     for i in policy(snapshot, request):
-        if 0 <= i < len(snapshot.ranks) and i not in seen and request.fits(snapshot.ranks[i]):
-            seen.add(i)
-            candidates.append(i)
+        if 0 <= i < n and i not in seen:
+            r = ranks[i]
+            if r.usable and (need if r.page_size == 1 else round_up(need, r.page_size)) <= r.free_tokens:
+                seen.add(i)
+                candidates.append(i)
     if not candidates:
         return Decision(Action.WAIT, detail="no rank has room now")
     gate = gate_of(policy)

@@ -32,7 +32,7 @@ following each other. ``hold_stretch=0`` turns it off (policy ``lockstep_eager``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from router.placement.policies import feasible
@@ -89,33 +89,45 @@ class Lockstep:
     long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS
     hold_stretch: float = DEFAULT_HOLD_STRETCH  # 0: long prompts are placed as soon as they fit
     max_long_prefills: int | None = None
+    # Built (and validated) once: admission asks for it on every placement.
+    _gate: LongPrefillGate | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("prefill_weight", "prefill_attn_weight", "hold_stretch"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0.0):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        self.gate  # noqa: B018 -- validates the gate's parameters now, not at the first long request
+        gate = None
+        if self.hold_stretch:
+            gate = LongPrefillGate(self.long_prompt_tokens, float(self.hold_stretch), self.max_long_prefills)
+        object.__setattr__(self, "_gate", gate)
 
     @property
     def gate(self) -> LongPrefillGate | None:
         """The long-prefill gate admission applies (None when ``hold_stretch`` is 0)."""
-        if not self.hold_stretch:
-            return None
-        return LongPrefillGate(self.long_prompt_tokens, float(self.hold_stretch), self.max_long_prefills)
+        return self._gate
 
     def __call__(self, snapshot: Snapshot, request: RequestShape) -> list[int]:
         fit = feasible(snapshot, request)
         if len(fit) <= 1:
             return fit
-        loads = [step_load(r, self.prefill_weight, self.prefill_attn_weight) for r in snapshot.ranks]
+        ranks = snapshot.ranks
+        weight, attn_weight = self.prefill_weight, self.prefill_attn_weight
+        loads: list[float] = []
+        for r in ranks:  # step_load, inlined (same operations in the same order)
+            p = r.prefill_tokens
+            load = r.context_tokens + weight * p
+            if attn_weight and p:
+                load += attn_weight * (p * p / max(1, r.prefill_requests)) / 2.0
+            loads.append(load)
         top = _group_top_two(snapshot, loads)
-        added = request_load(request, self.prefill_weight, self.prefill_attn_weight)
-
-        def key(i: int) -> tuple[float, float, int, int]:
-            idx, first, second = top[snapshot.ranks[i].key.backend]
-            others = second if idx == i else first
+        added = request_load(request, weight, attn_weight)
+        keyed: list[tuple[float, float, int, int]] = []
+        for i in fit:  # (rise of the group's max, own load, -free, index): the index never decides
+            rank = ranks[i]
+            idx, first, second = top[rank.key.backend]
             mine = loads[i] + added
-            return (max(others, mine) - first, mine, -snapshot.ranks[i].free_tokens, i)
-
-        return sorted(fit, key=key)
+            others = second if idx == i else first
+            keyed.append((max(others, mine) - first, mine, -rank.free_tokens, i))
+        keyed.sort()
+        return [t[3] for t in keyed]

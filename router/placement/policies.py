@@ -12,13 +12,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.placement.snapshot import RankView, RequestShape, Snapshot
+from router.units import round_up
 
 Policy = Callable[[Snapshot, RequestShape], list[int]]
 
 
 def feasible(snapshot: Snapshot, request: RequestShape) -> list[int]:
-    """Indices of usable ranks where the request fits now (``RequestShape.fits`` checks usability)."""
-    return [i for i, rank in enumerate(snapshot.ranks) if request.fits(rank)]
+    """Indices of usable ranks where the request fits now: ``RequestShape.fits`` inlined (every policy
+    runs it over every rank on every placement)."""
+    need = request.need_tokens
+    return [
+        i
+        for i, r in enumerate(snapshot.ranks)
+        if r.usable and (need if r.page_size == 1 else round_up(need, r.page_size)) <= r.free_tokens
+    ]
 
 
 def rotation(snapshot: Snapshot, index: int) -> int:
@@ -32,29 +39,35 @@ def token_load(rank: RankView) -> float:
     return rank.used_tokens / rank.capacity_tokens if rank.capacity_tokens > 0 else 1.0
 
 
+# The orders below sort (key..., rotation, index) tuples rather than calling a key function per rank: the
+# rotation is distinct per index, so the trailing index never decides and the order is the key order.
+
+
 def round_robin(snapshot: Snapshot, request: RequestShape) -> list[int]:
     """Start at ``tick mod n`` and walk forward, skipping ranks where the request does not fit."""
     fit = feasible(snapshot, request)
-    return sorted(fit, key=lambda i: rotation(snapshot, i))
+    start = snapshot.tick % len(snapshot.ranks) if snapshot.ranks else 0
+    return [i for i in fit if i >= start] + [i for i in fit if i < start]
 
 
 def least_requests(snapshot: Snapshot, request: RequestShape) -> list[int]:
     """Fewest in-flight requests first (SGLang ``total_requests``); ties rotate so rank 0 is not favoured."""
     fit = feasible(snapshot, request)
-    return sorted(fit, key=lambda i: (snapshot.ranks[i].inflight, rotation(snapshot, i)))
+    ranks, n, tick = snapshot.ranks, len(snapshot.ranks), snapshot.tick
+    return [t[-1] for t in sorted([(ranks[i].inflight, (i - tick) % n, i) for i in fit])]
 
 
 def kv_fit(snapshot: Snapshot, request: RequestShape) -> list[int]:
     """Most free latent-cache tokens first: spreads reservations, ignores step time."""
     fit = feasible(snapshot, request)
-    return sorted(fit, key=lambda i: (-snapshot.ranks[i].free_tokens, rotation(snapshot, i)))
+    ranks, n, tick = snapshot.ranks, len(snapshot.ranks), snapshot.tick
+    return [t[-1] for t in sorted([(-ranks[i].free_tokens, (i - tick) % n, i) for i in fit])]
 
 
 def _by_load(snapshot: Snapshot, indices: Sequence[int]) -> list[int]:
-    return sorted(
-        indices,
-        key=lambda i: (token_load(snapshot.ranks[i]), snapshot.ranks[i].inflight, rotation(snapshot, i)),
-    )
+    ranks, n, tick = snapshot.ranks, len(snapshot.ranks), snapshot.tick
+    keyed = [(token_load(ranks[i]), ranks[i].inflight, (i - tick) % n, i) for i in indices]
+    return [t[-1] for t in sorted(keyed)]
 
 
 def power_of_two(snapshot: Snapshot, request: RequestShape) -> list[int]:

@@ -46,21 +46,19 @@ class RankView:
     healthy: bool = True
     draining: bool = False
     prefill_requests: int = 0
+    # Derived once per view: every placement reads them for every rank, and a view is built only when
+    # its inputs change (router/gateway/placement.py), so attributes beat properties here.
+    used_tokens: int = field(init=False, repr=False, compare=False)
+    """Occupancy as the router must assume it: its own reservations, or the engine's report if higher."""
+    free_tokens: int = field(init=False, repr=False, compare=False)
+    usable: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def used_tokens(self) -> int:
-        """Occupancy as the router must assume it: its own reservations, or the engine's report if higher."""
-        if self.engine_used_tokens is None:
-            return self.reserved_tokens
-        return max(self.reserved_tokens, self.engine_used_tokens)
-
-    @property
-    def free_tokens(self) -> int:
-        return self.capacity_tokens - self.used_tokens
-
-    @property
-    def usable(self) -> bool:
-        return self.healthy and not self.draining
+    def __post_init__(self) -> None:
+        engine = self.engine_used_tokens
+        used = self.reserved_tokens if engine is None or engine <= self.reserved_tokens else engine
+        object.__setattr__(self, "used_tokens", used)
+        object.__setattr__(self, "free_tokens", self.capacity_tokens - used)
+        object.__setattr__(self, "usable", self.healthy and not self.draining)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +88,11 @@ class RequestShape:
     prefix_hash: int | None = None
     entropy: int = 0
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    need_tokens: int = field(init=False, repr=False, compare=False, hash=False)
+    """Tokens to reserve before page rounding (at least one): fixed per request, read per rank."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "need_tokens", max(1, self.prompt_tokens + self.output_tokens))
 
     @property
     def total_tokens(self) -> int:
@@ -97,11 +100,15 @@ class RequestShape:
 
     def reserve_tokens(self, page_size: int) -> int:
         """Tokens to reserve on a rank with this page size: whole pages only."""
-        return round_up(max(1, self.total_tokens), page_size)
+        return self.need_tokens if page_size == 1 else round_up(self.need_tokens, page_size)
 
     def fits(self, rank: RankView) -> bool:
-        return rank.usable and self.reserve_tokens(rank.page_size) <= rank.free_tokens
+        if not rank.usable:
+            return False
+        page = rank.page_size
+        return (self.need_tokens if page == 1 else round_up(self.need_tokens, page)) <= rank.free_tokens
 
     def could_ever_fit(self, rank: RankView) -> bool:
         """Fits an empty rank of this capacity (health aside): false means refuse, not wait."""
-        return self.reserve_tokens(rank.page_size) <= rank.capacity_tokens
+        page = rank.page_size
+        return (self.need_tokens if page == 1 else round_up(self.need_tokens, page)) <= rank.capacity_tokens
