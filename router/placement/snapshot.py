@@ -7,13 +7,17 @@ run the same code on the same values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.units import round_up
 
 
-@dataclass(frozen=True, slots=True)
-class RankKey:
-    """One DP rank of one backend (an engine deployment)."""
+class RankKey(NamedTuple):
+    """One DP rank of one backend (an engine deployment).
+
+    A named tuple, not a frozen dataclass: every ledger, store and load lookup hashes it, and a tuple
+    hashes and compares in C where a dataclass runs a Python ``__hash__``/``__eq__`` per lookup.
+    """
 
     backend: str
     rank: int
