@@ -94,13 +94,22 @@ def candidates(store: TelemetryStore, route: Route, model: str | None) -> Candid
 
 @dataclass(slots=True)
 class _Slot:
-    """One candidate rank: its local load (a stable object), its last view and what that was built from."""
+    """One candidate rank: its local load (a stable object), its last view and what that was built from.
+    The in-process ledger hands back the same ``usage`` object while a rank is unchanged, so most ranks
+    are checked by identity; other ledgers by value."""
 
     key: RankKey
     load: RankLoad
-    sig: tuple[object, ...] | None = None
+    usage: RankUsage | None = None
+    loads: tuple[int, int, int] = (0, 0, 0)
+    drained: bool = False
     truth: RankTruth | None = None
     view: RankView | None = None
+
+
+def _usage_shown(u: RankUsage | None) -> tuple[int, int, int] | None:
+    """What a view shows of a rank's ledger usage (generated tokens are not shown)."""
+    return None if u is None else (u.capacity_tokens, u.reserved_tokens, u.inflight)
 
 
 def _build_view(
@@ -172,20 +181,22 @@ class Placer:
             key = slot.key
             u = usage.get(key)
             load = slot.load
-            sig = (
-                (u.capacity_tokens, u.reserved_tokens, u.inflight) if u is not None else None,
-                load.context_tokens,
-                load.prefill_tokens,
-                load.prefill_requests,
-                bool(drained) and key in drained,
-            )
+            loads = (load.context_tokens, load.prefill_tokens, load.prefill_requests)
+            draining = bool(drained) and key in drained
             truth = truths(key)
-            if sig != slot.sig or truth is not slot.truth or slot.view is None:
-                slot.sig, slot.truth = sig, truth
-                slot.view = _build_view(key, u, truth, load, self.store.info(key.backend), sig[4])
+            if (
+                (u is not slot.usage and _usage_shown(u) != _usage_shown(slot.usage))
+                or truth is not slot.truth
+                or loads != slot.loads
+                or draining is not slot.drained
+                or slot.view is None
+            ):
+                slot.view = _build_view(key, u, truth, load, self.store.info(key.backend), draining)
+                slot.loads, slot.drained, slot.truth = loads, draining, truth
                 changed = True
+            slot.usage = u
         if changed or self._last is None or self._last[0] is not slots:
-            self._last = (slots, tuple(s.view for s in slots if s.view is not None))
+            self._last = (slots, tuple([v for s in slots if (v := s.view) is not None]))
         return Snapshot(self._last[1], tick=self._tick)
 
     def _slots(self, keys: Sequence[RankKey]) -> list[_Slot]:
@@ -248,14 +259,20 @@ class Placer:
         if not allowed:
             raise ApiError(503, "no rank left to try", code="no_healthy_rank", headers={"Retry-After": "1"})
         start_s = time.perf_counter()
-        gate = gate_of(self.policy)
+        queue = self.queue
         try:
-            key = await self.queue.admit(
-                lambda: self._attempt(flight, allowed),
-                behind=lambda: self._attempt(flight, allowed, behind=True),
-                owner=flight,
-                hold_s=gate.max_hold_s(flight.shape) if gate is not None else 0.0,
-            )
+            # Nobody waits: the one attempt the queue would make first, without its machinery.
+            tried = not queue.closed and not queue.depth
+            key = await self._attempt(flight, allowed) if tried else None
+            if key is None:
+                gate = gate_of(self.policy)
+                key = await queue.admit(
+                    lambda: self._attempt(flight, allowed),
+                    behind=lambda: self._attempt(flight, allowed, behind=True),
+                    owner=flight,
+                    hold_s=gate.max_hold_s(flight.shape) if gate is not None else 0.0,
+                    tried=tried,
+                )
         except QueueFull:
             raise ApiError(
                 429,

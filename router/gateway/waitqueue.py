@@ -92,16 +92,21 @@ class WaitQueue:
         behind: Callable[[], Awaitable[T | None]] | None = None,
         owner: object | None = None,
         hold_s: float = 0.0,
+        tried: bool = False,
     ) -> T:
         """Run ``attempt`` now if nobody waits, else (or when it finds no room) wait in line and retry.
 
         ``attempt`` returns None for "no room now" and may raise to refuse outright. ``behind`` is the
         attempt to make while waiting behind a blocked head (backfill); ``owner`` names the caller while
-        it is the head (:attr:`head_owner`); ``hold_s`` is added to this waiter's deadline.
+        it is the head (:attr:`head_owner`); ``hold_s`` is added to this waiter's deadline. ``tried``: the
+        caller found the line empty and has just made that first attempt itself, in vain (the fast path
+        of an uncontended router): go straight to waiting.
         """
         if self.closed:
             raise QueueClosed
-        if not self._waiters or not self._head_blocked:
+        if tried:
+            pass
+        elif not self._waiters or not self._head_blocked:
             got = await attempt()
             if got is not None:
                 return got

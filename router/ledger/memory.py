@@ -23,12 +23,15 @@ DEFAULT_LEASE_TTL_S = 30.0
 
 @dataclass(slots=True)
 class _Rank:
-    """One rank's totals: one dict lookup per rank and call (hashing RankKey is the hot cost)."""
+    """One rank's totals: one dict lookup per rank and call. ``usage`` is their last
+    :class:`RankUsage`, kept until they change (None: stale), so ``usage()`` builds one only for the
+    ranks that changed and hands back the same object for the others (the placer skips those)."""
 
     capacity_tokens: int
     reserved_tokens: int = 0
     inflight: int = 0
     generated_tokens: int = 0
+    usage: RankUsage | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +86,7 @@ class InMemoryLedger:
                 self._ranks[key] = _Rank(capacity_tokens)
             else:
                 rank.capacity_tokens = capacity_tokens
+                rank.usage = None
 
     async def reserve(self, request_id: str, candidates: Sequence[RankKey], tokens: int) -> RankKey | None:
         return self.reserve_now(request_id, candidates, tokens)
@@ -101,6 +105,7 @@ class InMemoryLedger:
             if rank.reserved_tokens + tokens <= rank.capacity_tokens:
                 rank.reserved_tokens += tokens
                 rank.inflight += 1
+                rank.usage = None
                 self._held[request_id] = _Held(rank, key, tokens)
                 self._lease_expiry_s[request_id] = now_s + self.lease_ttl_s
                 return key
@@ -116,6 +121,7 @@ class InMemoryLedger:
             return False
         held.tokens += tokens
         held.rank.reserved_tokens += tokens
+        held.rank.usage = None
         return True
 
     async def shrink(self, request_id: str, tokens: int) -> bool:
@@ -128,6 +134,7 @@ class InMemoryLedger:
         given_back_tokens = min(tokens, held.tokens)
         held.tokens -= given_back_tokens
         held.rank.reserved_tokens -= given_back_tokens
+        held.rank.usage = None
         return True
 
     async def add_generated(self, request_id: str, tokens: int) -> None:
@@ -137,6 +144,7 @@ class InMemoryLedger:
         if held is not None:
             held.generated_tokens += tokens
             held.rank.generated_tokens += tokens
+            held.rank.usage = None
 
     async def release(self, request_id: str) -> bool:
         self._expire_due()
@@ -147,9 +155,11 @@ class InMemoryLedger:
         if held is None:
             return False
         self._lease_expiry_s.pop(request_id, None)
-        held.rank.reserved_tokens -= held.tokens
-        held.rank.inflight -= 1
-        held.rank.generated_tokens -= held.generated_tokens
+        rank = held.rank
+        rank.reserved_tokens -= held.tokens
+        rank.inflight -= 1
+        rank.generated_tokens -= held.generated_tokens
+        rank.usage = None
         return True
 
     async def renew(self, request_ids: Iterable[str]) -> None:
@@ -177,10 +187,13 @@ class InMemoryLedger:
         return self.usage_now()
 
     def usage_now(self) -> dict[RankKey, RankUsage]:
-        return {
-            key: RankUsage(r.capacity_tokens, r.reserved_tokens, r.inflight, r.generated_tokens)
-            for key, r in self._ranks.items()
-        }
+        out: dict[RankKey, RankUsage] = {}
+        for key, r in self._ranks.items():
+            u = r.usage
+            if u is None:
+                u = r.usage = RankUsage(r.capacity_tokens, r.reserved_tokens, r.inflight, r.generated_tokens)
+            out[key] = u
+        return out
 
     def holds(self, request_id: str) -> bool:
         self._expire_due()
