@@ -82,3 +82,24 @@ def test_sse_upstream_and_client_round_trip(tmp_path: Path) -> None:
         out = asyncio.run(run_client(f"http://127.0.0.1:{port}", 10, 20, "m", timeout_s=20))
     assert out["completed"] == 10 and out["failed"] == 0
     assert out["events"] == 10 * 21  # 20 tokens and the usage chunk
+
+
+def test_placement_ratios_are_paired_per_seed_against_that_seeds_best_peer() -> None:
+    from loadtest.bench.placement import PlacementConfig, PlacementResult
+    from loadtest.bench.report import placement_md
+
+    res = PlacementResult(PlacementConfig(seeds=(7, 8)))
+    runs = {  # (seed, goodput): on seed 7 one peer policy is lucky, on seed 8 the other one leads
+        "kvrouter (lockstep)": [(7, 0.20), (8, 0.08)],
+        "sglang-router (cache_aware)": [(7, 0.25), (8, 0.01)],
+        "sglang-router (round_robin)": [(7, 0.10), (8, 0.04)],
+    }
+    for label, points in runs.items():
+        res.runs[label] = [{"seed": float(s), "request_goodput": g, "preemptions": 0.0} for s, g in points]
+    ratios = res.goodput_ratios(
+        "kvrouter (lockstep)", ["sglang-router (cache_aware)", "sglang-router (round_robin)"]
+    )
+    assert ratios == pytest.approx({7: 0.20 / 0.25, 8: 0.08 / 0.04})
+    text = "\n".join(placement_md(res))
+    assert "| 7 | 0.200 | 0.250 | 0.100 | 0.80x |" in text
+    assert "**1.40 (0.80-2.00)x** (target >= 1.5: MISSED)" in text  # the median over seeds decides

@@ -37,7 +37,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the overhead and relay sections")
     p.add_argument("--duration-s", type=float, default=10.0, help="seconds per overhead point")
     p.add_argument("--relay-duration-s", type=float, default=6.0, help="target seconds per relay run")
-    p.add_argument("--placement-rounds", type=int, default=1)
+    p.add_argument("--placement-rounds", type=int, default=1, help="runs of every row per seed")
+    p.add_argument(
+        "--placement-seeds", default="7,8,9", help="comma-separated workload seeds (one draw each)"
+    )
     p.add_argument("--placement-time-scale", type=float, default=0.05)
     p.add_argument("--placement-capacity-scale", type=float, default=0.3)
     p.add_argument("--placement-duration-s", type=float, default=300.0, help="engine seconds of arrivals")
@@ -105,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         raw["relay"] = relay.to_json()
     if "placement" in sections:
         rows = tuple(args.placement_rows.split(",")) if args.placement_rows else None
+        seeds = tuple(int(s) for s in args.placement_seeds.split(","))
         cfg = PlacementConfig(args.placement_capacity_scale, args.placement_time_scale,
-                              args.placement_duration_s, args.placement_rounds, rows)  # fmt: skip
+                              args.placement_duration_s, args.placement_rounds, seeds, rows)  # fmt: skip
         place = run_placement(tools, cfg, args.log_dir)
         md += report.placement_md(place)
         raw["placement"] = place.to_json()
