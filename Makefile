@@ -30,9 +30,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# End-to-end tests run real processes on a shared box; a rare hang in two of them (a SIGTERM drain
-# waiting on its process, a router shutdown) is under investigation, so a failure is retried once and
-# reported as "rerun" in the summary: a real regression fails twice.
+# End-to-end tests run real processes on a shared 2-core box, where a starved process can miss a test's
+# bound; a failure is retried once and reported as "rerun" in the summary: a real regression fails twice.
+# (The rare shutdown hang once blamed on the box was Python 3.11's wait_for swallowing a cancel in the
+# reconcile loop: fixed in router/reconcile.py's stop.)
 test: lint typecheck
 	$(VENV)/bin/pytest --reruns 1 --reruns-delay 1 $(PYTEST_ARGS)
 
