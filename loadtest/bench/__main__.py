@@ -54,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         action="append",
         help="kvrouter worker processes; repeat (e.g. 1 and 2) to measure variants side by side in one run "
-        "(default 1). Without --redis-url, several workers share a shared-memory ledger",
+        "(default: 1 and 2). Without --redis-url, several workers share a shared-memory ledger",
     )
     p.add_argument("--redis-url", default=None, help="ledger of every kvrouter variant (default: none)")
     p.add_argument("--quick", action="store_true", help="1 round, 3 s points (a smoke run)")
@@ -63,7 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("docs/bench.md"))
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvbench-logs"))
     args = p.parse_args(argv)
-    args.kvrouter_workers = list(dict.fromkeys(args.kvrouter_workers or [1]))
+    args.kvrouter_workers = list(dict.fromkeys(args.kvrouter_workers or [1, 2]))
     if min(args.kvrouter_workers) < 1:
         p.error("--kvrouter-workers must be >= 1")
     if args.quick:
