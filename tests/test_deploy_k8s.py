@@ -129,3 +129,40 @@ def test_kustomize_renders_a_valid_stack_with_one_engine(directory: Path, engine
     engines = [inv for _, d in k8s_manifests() for inv in pod_containers(d) if inv["name"] == engine]
     (rendered,) = [c for d in docs for c in pod_containers(d) if c["name"] == engine]
     assert rendered["args"] == engines[0]["args"]  # kustomize leaves the checked arguments alone
+
+
+def _by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for _, d in k8s_manifests() if d["kind"] == kind}
+
+
+def test_k8s_router_is_replicated_probed_and_locked_down() -> None:
+    router = _by_kind("Deployment")["kvrouter"]
+    pod = router["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert router["spec"]["replicas"] >= 2
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    assert (
+        _by_kind("PodDisruptionBudget")["kvrouter"]["spec"]["selector"]["matchLabels"].items()
+        <= labels.items()
+    )
+
+
+def test_k8s_services_select_pods_and_engine_gets_a_whole_node() -> None:
+    pods = [d["spec"]["template"]["metadata"]["labels"] for _, d in k8s_manifests() if pod_containers(d)]
+    for name, svc in _by_kind("Service").items():
+        assert any(svc["spec"]["selector"].items() <= p.items() for p in pods), (
+            f"Service {name} selects nothing"
+        )
+    engine = _by_kind("StatefulSet")["sglang-engine"]["spec"]["template"]["spec"]
+    assert engine["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    shm = next(v for v in engine["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["containers"][0]["volumeMounts"]
+    kustomization = yaml_docs(DEPLOY / "k8s/kustomization.yaml")[0]
+    files = {p.name for p in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
