@@ -3,10 +3,9 @@
 Atomicity comes from asyncio itself: no method awaits between reading a rank's free tokens and writing the
 reservation, so two tasks can never both take the last free tokens of a rank.
 
-Leases: every reservation expires ``lease_ttl_s`` after its reserve or its last ``renew``. Because the TTL
-is one constant and the clock never goes backwards, insertion order of ``_lease_expiry_s`` (a dict, moved to
-the end on renew) is expiry order, so finding the expired reservations costs O(expired), and every public
-call reclaims them lazily first: an expired reservation is never visible, whether or not ``expire()`` ran.
+Leases: every reservation expires ``lease_ttl_s`` after its reserve or its last ``renew``
+(:class:`~router.ledger.leases.Leases`, in expiry order), and every public call reclaims the expired ones
+lazily first: an expired reservation is never visible, whether or not ``expire()`` ran.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.ledger.base import RankUsage, Reservation
+from router.ledger.leases import Leases
 from router.placement.snapshot import RankKey
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -73,7 +73,7 @@ class InMemoryLedger:
         self._clock = clock
         self._ranks: dict[RankKey, _Rank] = {}
         self._held: dict[str, _Held] = {}
-        self._lease_expiry_s: dict[str, float] = {}
+        self._leases = Leases(lease_ttl_s)
 
     async def register(self, capacities: Mapping[RankKey, int]) -> None:
         self.register_now(capacities)
@@ -107,7 +107,7 @@ class InMemoryLedger:
                 rank.inflight += 1
                 rank.usage = None
                 self._held[request_id] = _Held(rank, key, tokens)
-                self._lease_expiry_s[request_id] = now_s + self.lease_ttl_s
+                self._leases.start(request_id, now_s)
                 return key
         return None
 
@@ -154,7 +154,7 @@ class InMemoryLedger:
         held = self._held.pop(request_id, None)
         if held is None:
             return False
-        self._lease_expiry_s.pop(request_id, None)
+        self._leases.drop(request_id)
         rank = held.rank
         rank.reserved_tokens -= held.tokens
         rank.inflight -= 1
@@ -163,12 +163,7 @@ class InMemoryLedger:
         return True
 
     async def renew(self, request_ids: Iterable[str]) -> None:
-        now_s = self._expire_due()
-        expiry_s = now_s + self.lease_ttl_s
-        leases = self._lease_expiry_s
-        for request_id in request_ids:
-            if leases.pop(request_id, None) is not None:
-                leases[request_id] = expiry_s  # re-inserted at the end: keeps the dict in expiry order
+        self._leases.renew(request_ids, self._expire_due())
 
     async def expire(self) -> int:
         before = len(self._held)
@@ -210,10 +205,7 @@ class InMemoryLedger:
     def _expire_due(self) -> float:
         """Reclaim every reservation whose lease ran out; returns the clock reading used."""
         now_s = self._clock()
-        leases = self._lease_expiry_s
-        while leases:
-            request_id, expiry_s = next(iter(leases.items()))
-            if expiry_s > now_s:
-                break
+        leases = self._leases
+        while (request_id := leases.lapsed(now_s)) is not None:
             self.release_now(request_id)
         return now_s

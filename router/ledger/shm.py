@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.ledger.base import RankUsage, Reservation
+from router.ledger.leases import Leases
 from router.ledger.memory import DEFAULT_LEASE_TTL_S, check_capacities, check_tokens
 from router.ledger.shm_file import H_KEYS, LedgerFile
 from router.placement.snapshot import RankKey
@@ -77,7 +78,7 @@ class SharedMemoryLedger:
         self._index: dict[RankKey, int] = {}
         self._keys: list[RankKey] = []
         self._held: dict[str, _Held] = {}
-        self._lease_expiry_s: dict[str, float] = {}
+        self._leases = Leases(lease_ttl_s)
         self._owner = secrets.randbits(62) + 1
         self._slot = -1
         self._row = 0  # self._slot * max_keys: the start of this process's rows
@@ -108,11 +109,8 @@ class SharedMemoryLedger:
         q[self._beat + self._slot] = int(now_s * 1e9)
         if now_s >= self._next_reap_s:
             self._reap(now_s)
-        leases = self._lease_expiry_s
-        while leases:
-            request_id, expiry_s = next(iter(leases.items()))
-            if expiry_s > now_s:
-                break
+        leases = self._leases
+        while (request_id := leases.lapsed(now_s)) is not None:
             self._release_locked(request_id)
         return now_s
 
@@ -141,7 +139,7 @@ class SharedMemoryLedger:
             len(self._held),
         )
         self._held.clear()
-        self._lease_expiry_s.clear()
+        self._leases.clear()
         self._claim_slot(now_s)
 
     def _reap(self, now_s: float) -> int:
@@ -218,7 +216,7 @@ class SharedMemoryLedger:
                     q[self._sres + self._row + i] += tokens
                     q[self._sinf + self._row + i] += 1
                     self._held[request_id] = _Held(i, key, tokens)
-                    self._lease_expiry_s[request_id] = now_s + self.lease_ttl_s
+                    self._leases.start(request_id, now_s)
                     return key
             return None
         finally:
@@ -285,7 +283,7 @@ class SharedMemoryLedger:
         held = self._held.pop(request_id, None)
         if held is None:
             return False
-        self._lease_expiry_s.pop(request_id, None)
+        self._leases.drop(request_id)
         q, i, row = self._q, held.index, self._row
         q[self._sres + row + i] -= held.tokens
         q[self._sinf + row + i] -= 1
@@ -301,11 +299,7 @@ class SharedMemoryLedger:
             now_s = self._begin()  # also the heartbeat that keeps this slot ours
         finally:
             self._unlock()
-        expiry_s = now_s + self.lease_ttl_s
-        leases = self._lease_expiry_s
-        for request_id in request_ids:
-            if leases.pop(request_id, None) is not None:
-                leases[request_id] = expiry_s  # re-inserted at the end: keeps the dict in expiry order
+        self._leases.renew(request_ids, now_s)
 
     async def expire(self) -> int:
         """Reclaim this process's lapsed leases (returned) and, whatever the reap interval, dead slots."""
@@ -319,8 +313,7 @@ class SharedMemoryLedger:
         return before - len(self._held)
 
     async def get(self, request_id: str) -> Reservation | None:
-        leases = self._lease_expiry_s
-        if leases and next(iter(leases.values())) <= self._clock():  # something lapsed: reclaim it first
+        if self._leases.lapsed(self._clock()) is not None:  # something lapsed: reclaim it first
             await self.expire()
         held = self._held.get(request_id)
         if held is None:
@@ -363,6 +356,6 @@ class SharedMemoryLedger:
             self._unlock()
         self._slot = -1
         self._held.clear()
-        self._lease_expiry_s.clear()
+        self._leases.clear()
         with contextlib.suppress(OSError):
             self._file.close()
