@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
+
+from router.telemetry_text import render_text
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -125,3 +130,19 @@ def promtool() -> str:
             "`apt-get update && apt-get install -y prometheus` to check metrics, rules and config"
         )
     return path
+
+
+def per_worker_requests(metrics_dir: Path, tmp: Path) -> list[float]:
+    """kvrouter_requests_total as each ``--workers N`` process alone counted it (its own multiprocess
+    files), one directory per worker made under ``tmp``."""
+    counts = []
+    tmp.mkdir(exist_ok=True)
+    for pid in sorted({p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("counter_*.db")}):
+        alone = tmp / f"worker-{pid}"
+        alone.mkdir()
+        for db in metrics_dir.glob(f"*_{pid}.db"):
+            (alone / db.name).write_bytes(db.read_bytes())
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(alone))  # type: ignore[no-untyped-call]
+        counts.append(total(parse(render_text(registry).decode()), "kvrouter_requests_total"))
+    return counts

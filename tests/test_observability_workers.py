@@ -18,11 +18,7 @@ import httpx
 import pytest
 import redis
 from gateway_support import MODEL
-from observability_support import parse, per_rank, total
-from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
-
-from router.telemetry_text import render_text
+from observability_support import parse, per_rank, per_worker_requests, total
 
 BIN = Path(sys.executable).parent
 REQUESTS = 24
@@ -70,21 +66,6 @@ def two_workers(start_emulator: Any, redis_url: str, tmp_path: Path) -> Iterator
             proc.kill()
             proc.wait()
         log.close()
-
-
-def per_worker_requests(metrics_dir: Path, tmp: Path) -> list[float]:
-    """kvrouter_requests_total as each worker alone counted it (its own multiprocess files)."""
-    pids = {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("counter_*.db")}
-    counts = []
-    for pid in sorted(pids):
-        alone = tmp / f"worker-{pid}"
-        alone.mkdir()
-        for db in metrics_dir.glob(f"*_{pid}.db"):
-            (alone / db.name).write_bytes(db.read_bytes())
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(alone))  # type: ignore[no-untyped-call]
-        counts.append(total(parse(render_text(registry).decode()), "kvrouter_requests_total"))
-    return counts
 
 
 def test_every_scrape_shows_both_workers(two_workers: tuple[str, Path], tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import httpx
 import orjson
 
 from loadtest.bench.redis_proc import free_port
-from router.ledger.base import LedgerUnavailable
+from router.ledger.base import Ledger, LedgerUnavailable
 from router.ledger.redis import RedisLedger
 
 KVROUTER = str(Path(sys.executable).with_name("kvrouter"))
@@ -195,11 +195,12 @@ async def keep_loading(
 
 @dataclass
 class EngineWatch:
-    """Samples, while load runs, the engine's per-rank use (SGLang ``/v1/loads``) and what the replicas
-    reserved together in Redis; records every rank seen over its capacity by either."""
+    """Samples, while load runs, the engine's per-rank use (SGLang ``/v1/loads``) and what was reserved
+    together in the shared ledger (Redis, or a serve's shared memory); records every rank seen over its
+    capacity by either."""
 
     url: str
-    ledger: RedisLedger | None = None
+    ledger: Ledger | None = None
     samples: int = 0
     peak_used_tokens: dict[int, int] = field(default_factory=dict)
     peak_reserved_tokens: dict[int, int] = field(default_factory=dict)
@@ -226,10 +227,10 @@ class EngineWatch:
 
 
 @contextlib.asynccontextmanager
-async def watching(
-    session: aiohttp.ClientSession, engine_url: str, redis_url: str | None = None, namespace: str = "default"
+async def watch_engine(
+    session: aiohttp.ClientSession, engine_url: str, ledger: Ledger | None = None
 ) -> AsyncIterator[EngineWatch]:
-    ledger = None if redis_url is None else RedisLedger.from_url(redis_url, namespace=namespace)
+    """:class:`EngineWatch` sampling while the block runs; ``ledger`` (this watch's own reader) is closed."""
     watch = EngineWatch(engine_url, ledger)
     task = asyncio.create_task(watch.run(session))
     try:
@@ -240,6 +241,15 @@ async def watching(
             await task
         if ledger is not None:
             await ledger.close()
+
+
+@contextlib.asynccontextmanager
+async def watching(
+    session: aiohttp.ClientSession, engine_url: str, redis_url: str | None = None, namespace: str = "default"
+) -> AsyncIterator[EngineWatch]:
+    ledger = None if redis_url is None else RedisLedger.from_url(redis_url, namespace=namespace)
+    async with watch_engine(session, engine_url, ledger) as watch:
+        yield watch
 
 
 async def engine_stats(session: aiohttp.ClientSession, engine_url: str) -> dict[str, Any]:

@@ -12,28 +12,30 @@ capacity the offered load exceeds. What is proved:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
 from emulator_fixtures import StartEmulator
-from observability_support import parse, total
-from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
-from test_replicas_support import Replica, Tally, engine_stats, rank_rows, replicas, serve_args, stream_one
+from observability_support import per_worker_requests
+from test_replicas_support import (
+    Replica,
+    Tally,
+    engine_stats,
+    rank_rows,
+    replicas,
+    serve_args,
+    stream_one,
+    watch_engine,
+)
 
 from loadtest.emulator.host import EmulatorThread
 from router.ledger.base import RankUsage
 from router.ledger.shm import SharedMemoryLedger
-from router.placement.snapshot import RankKey
-from router.telemetry_text import render_text
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -54,59 +56,6 @@ def anyio_backend() -> str:
 def engine(start_emulator: StartEmulator) -> EmulatorThread:
     # time_scale 0.05: a 300-token answer streams for about half a second, so loads overlap and wait.
     return start_emulator("sglang", dp_size=DP_SIZE, kv_tokens_per_rank=RANK_TOKENS, time_scale=0.05)
-
-
-@dataclass
-class Watch:
-    """Samples the engine's per-rank use and the ledger file while load runs; records any excess."""
-
-    engine_url: str
-    ledger: SharedMemoryLedger
-    samples: int = 0
-    peak_reserved_tokens: dict[RankKey, int] = field(default_factory=dict)
-    over_capacity: list[str] = field(default_factory=list)
-
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            async with session.get(self.engine_url + "/v1/loads") as resp:
-                loads = (await resp.json())["loads"]
-            for load in loads:
-                if load["num_used_tokens"] > load["max_total_num_tokens"]:
-                    self.over_capacity.append(f"engine rank {load['dp_rank']}: {load}")
-            for key, u in (await self.ledger.usage()).items():
-                self.peak_reserved_tokens[key] = max(self.peak_reserved_tokens.get(key, 0), u.reserved_tokens)
-                if u.reserved_tokens > u.capacity_tokens:
-                    self.over_capacity.append(f"ledger {key}: {u.reserved_tokens} reserved")
-            self.samples += 1
-            await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def watching(session: aiohttp.ClientSession, engine_url: str, path: str) -> AsyncIterator[Watch]:
-    watch = Watch(engine_url, SharedMemoryLedger(path))  # a reader with a slot of its own, like a worker
-    task = asyncio.create_task(watch.run(session))
-    try:
-        yield watch
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await watch.ledger.close()
-
-
-def per_worker_requests(metrics_dir: Path, tmp: Path) -> list[float]:
-    """kvrouter_requests_total as each worker alone counted it (its own multiprocess files)."""
-    counts = []
-    tmp.mkdir(exist_ok=True)
-    for pid in sorted({p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("counter_*.db")}):
-        alone = tmp / f"worker-{pid}"
-        alone.mkdir()
-        for db in metrics_dir.glob(f"*_{pid}.db"):
-            (alone / db.name).write_bytes(db.read_bytes())
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(alone))  # type: ignore[no-untyped-call]
-        counts.append(total(parse(render_text(registry).decode()), "kvrouter_requests_total"))
-    return counts
 
 
 def exists(path: str) -> bool:
@@ -162,7 +111,8 @@ async def test_two_workers_share_capacity_without_redis(
         tally = Tally()
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
-            async with watching(session, engine.url, path) as watch:
+            reader = SharedMemoryLedger(path)  # a reader with a slot of its own, like a worker
+            async with watch_engine(session, engine.url, reader) as watch:
                 for waves in range(1, 5):  # the kernel picks the worker: rarely, one takes a whole wave
                     await spread_load(session, router.url, STREAMS, tally)
                     if min(per_worker_requests(metrics_dir, tmp_path / f"wave{waves}")) > 0:
@@ -194,15 +144,14 @@ async def test_a_worker_killed_mid_load_gives_its_reservations_back(
         tally = Tally()
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
-            async with watching(session, engine.url, path) as watch:
+            reader = SharedMemoryLedger(path)  # a reader with a slot of its own, like a worker
+            async with watch_engine(session, engine.url, reader) as watch:
                 load = asyncio.create_task(spread_load(session, router.url, STREAMS, tally))
                 deadline_s = time.monotonic() + SETTLE_S
-                while not (
-                    holding := [p for p, t in (await watch.ledger.workers()).items() if t and p in pids]
-                ):
+                while not (holding := [p for p, t in (await reader.workers()).items() if t and p in pids]):
                     assert time.monotonic() < deadline_s, "no worker ever held a reservation"
                     await asyncio.sleep(0.05)
-                victim, held_tokens = holding[0], (await watch.ledger.workers())[holding[0]]
+                victim, held_tokens = holding[0], (await reader.workers())[holding[0]]
                 os.kill(victim, signal.SIGKILL)
                 await load
             stats = await engine_stats(session, engine.url)
