@@ -164,11 +164,6 @@ class Placer:
         self._last: tuple[list[_Slot], tuple[RankView, ...]] | None = None
         self._claim: tuple[Flight, RankKey] | None = None  # (head of the line, the rank it claimed)
 
-    def _view(self, key: RankKey, usage: RankUsage | None) -> RankView:
-        truth = self.store.rank(key)
-        info = self.store.info(key.backend)
-        return _build_view(key, usage, truth, self.load.get(key), info, key in self.drained)
-
     async def snapshot(self, keys: Sequence[RankKey]) -> Snapshot:
         """Every candidate's view; a rank's view is rebuilt only when what it shows changed (most ranks do
         not between two placements), and the whole tuple is reused when none did."""

@@ -41,10 +41,6 @@ SSE_HEADERS = [
 ]
 
 
-class ClientGone(Exception):
-    """The client closed its connection before the response ended."""
-
-
 def last_completion_tokens(chunk: bytes) -> int | None:
     """The last cumulative ``completion_tokens`` value in a chunk, if any (no JSON parsing)."""
     at = chunk.rfind(_COMPLETION_TOKENS)
